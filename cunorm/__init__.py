@@ -1,0 +1,13 @@
+"""cunorm: row-wise normalization kernels (LayerNorm, ...) for CuPy.
+
+Importing cunorm makes no CUDA call; kernels compile on first use.
+"""
+from . import reference
+from .compiler import CompileError, compile_only
+from .layer_norm import layer_norm, layer_norm_backward
+from .render import render
+from .traits import Traits
+
+__version__ = "0.1.0"
+
+__all__ = ["CompileError", "reference", "Traits", "compile_only", "layer_norm", "layer_norm_backward", "render", "__version__"]

@@ -1,0 +1,141 @@
+"""The correctness checker behind `cunorm check` and the GPU test tier.
+
+Each case draws fresh random inputs (never zeros; rows offset from zero so a
+one-pass variance would show), poisons every allocation the op makes with NaN
+bytes (so an unwritten element cannot pass), runs the op on the GPU and
+compares each output with the float64 reference by relative L2 error.
+"""
+from __future__ import annotations
+
+import contextlib
+import itertools
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from . import dispatch, dtypes, reference
+
+# Relative L2 error allowed for outputs written in each dtype.
+TOLERANCE = {"float32": 1e-5, "float16": 1e-3, "bfloat16": 8e-3}
+DEFAULT_ROWS = (1, 37, 4096)
+HEURISTIC_SAMPLE = (8, 40, 200, 1000, 1160, 4104, 7168)
+
+
+@dataclass(frozen=True)
+class Case:
+    op: str  # "layer_norm" (forward) or "layer_norm_backward"
+    hidden_size: int
+    rows: int
+    dtype: str
+    weight_dtype: str
+    has_weight: bool = True
+    has_bias: bool = True
+
+    def label(self) -> str:
+        flags = ("" if self.has_weight else " no-weight") + ("" if self.has_bias else " no-bias")
+        return f"{self.op} N={self.hidden_size} M={self.rows} x={self.dtype} w={self.weight_dtype}{flags}"
+
+
+@dataclass(frozen=True)
+class Result:
+    case: Case
+    output: str
+    error: float
+    tolerance: float
+
+    @property
+    def ok(self) -> bool:
+        return bool(self.error <= self.tolerance)  # NaN compares False
+
+    def as_dict(self) -> dict:
+        return {**asdict(self.case), "output": self.output, "error": self.error, "tolerance": self.tolerance,
+                "ok": self.ok}
+
+
+def rel_l2(out, ref) -> float:
+    """||out - ref|| / ||ref|| in float64; inf if out has any non-finite value."""
+    import cupy
+
+    out = cupy.asarray(out).astype(np.float64)
+    ref = cupy.asarray(ref).astype(np.float64)
+    if out.shape != ref.shape or not bool(cupy.isfinite(out).all()):
+        return float("inf")
+    denom = float(cupy.linalg.norm(ref))
+    return float(cupy.linalg.norm(out - ref)) / (denom if denom > 0 else 1.0)
+
+
+@contextlib.contextmanager
+def poisoned_allocations():
+    """Every CuPy allocation inside is filled with 0xFF bytes: NaN in fp32,
+    fp16 and bf16 alike."""
+    import cupy
+
+    allocator = cupy.cuda.get_allocator()
+
+    def malloc(size):
+        mem = allocator(size)
+        if size:
+            cupy.cuda.runtime.memsetAsync(mem.ptr, 0xFF, size, cupy.cuda.get_current_stream().ptr)
+        return mem
+
+    cupy.cuda.set_allocator(malloc)
+    try:
+        yield
+    finally:
+        cupy.cuda.set_allocator(allocator)
+
+
+def default_cases(sizes=None, rows=DEFAULT_ROWS, dtypes_=dtypes.NAMES, ops=("layer_norm", "layer_norm_backward"),
+                  heuristic=True) -> list:
+    """Tuned sizes (plus a heuristic sample) x dtypes x {input-dtype, fp32} weights x rows x ops."""
+    sizes = tuple(sizes) if sizes else dispatch.TUNED_SIZES + (HEURISTIC_SAMPLE if heuristic else ())
+    cases = []
+    for op, n, dt, m in itertools.product(ops, sizes, dtypes_, rows):
+        for wdt in dict.fromkeys((dt, "float32")):
+            cases.append(Case(op, n, m, dt, wdt))
+    return cases
+
+
+def _inputs(case: Case, rng):
+    import cupy
+
+    m, n = case.rows, case.hidden_size
+    dt, wdt = dtypes.numpy_dtype(case.dtype), dtypes.numpy_dtype(case.weight_dtype)
+    shift = rng.choice([-1.0, 1.0], size=(m, 1)) * rng.uniform(1, 3, size=(m, 1))  # rows far from zero mean
+    x = cupy.asarray((rng.standard_normal((m, n)) * rng.uniform(0.5, 2.0) + shift).astype(dt))
+    w = cupy.asarray((1.0 + 0.5 * rng.standard_normal(n)).astype(wdt)) if case.has_weight else None
+    b = cupy.asarray((0.5 * rng.standard_normal(n)).astype(wdt)) if case.has_bias else None
+    return x, w, b
+
+
+def run_case(case: Case, rng=None) -> list:
+    """Runs one case on the current GPU; a Result per output."""
+    import cupy
+
+    from .layer_norm import layer_norm, layer_norm_backward
+
+    rng = rng or np.random.default_rng()
+    x, w, b = _inputs(case, rng)
+    eps = 1e-5
+    y_ref, mean_ref, rstd_ref = reference.layer_norm(x, w, b, eps)
+    results = []
+    if case.op == "layer_norm":
+        with poisoned_allocations():
+            y, mean, rstd = layer_norm(x, w, b, eps, return_stats=True)
+        results += [Result(case, "y", rel_l2(y, y_ref), TOLERANCE[case.dtype]),
+                    Result(case, "mean", rel_l2(mean, mean_ref), TOLERANCE["float32"]),
+                    Result(case, "rstd", rel_l2(rstd, rstd_ref), TOLERANCE["float32"])]
+    elif case.op == "layer_norm_backward":
+        dy = cupy.asarray(rng.standard_normal(x.shape).astype(dtypes.numpy_dtype(case.dtype)))
+        mean, rstd = mean_ref.astype(np.float32), rstd_ref.astype(np.float32)
+        with poisoned_allocations():
+            dx, dw, db = layer_norm_backward(dy, x, mean, rstd, w, has_bias=case.has_bias)
+        dx_ref, dw_ref, db_ref = reference.layer_norm_backward(dy, x, mean, rstd, w)
+        results.append(Result(case, "dx", rel_l2(dx, dx_ref), TOLERANCE[case.dtype]))
+        if case.has_weight:
+            results.append(Result(case, "dweight", rel_l2(dw, dw_ref), TOLERANCE[case.weight_dtype]))
+        if case.has_bias:
+            results.append(Result(case, "dbias", rel_l2(db, db_ref), TOLERANCE[case.weight_dtype]))
+    else:
+        raise ValueError(f"unknown op {case.op!r}")
+    return results

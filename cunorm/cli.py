@@ -1,0 +1,211 @@
+"""The `cunorm` command: check (the correctness checker), info, list."""
+from __future__ import annotations
+
+import json
+import sys
+
+import click
+import numpy as np
+
+from . import dispatch, dtypes
+
+EXIT_FAIL, EXIT_NO_GPU = 1, 3
+
+
+def _csv(kind):
+    def parse(ctx, param, value):
+        if value is None:
+            return None
+        try:
+            return tuple(kind(v) for v in value.split(",") if v.strip())
+        except ValueError as e:
+            raise click.BadParameter(str(e)) from None
+    return parse
+
+
+def _dtype_list(value: str) -> str:
+    aliases = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
+    name = aliases.get(value.strip(), value.strip())
+    if name not in dtypes.NAMES:
+        raise ValueError(f"unknown dtype {value!r}; expected fp32, fp16 or bf16")
+    return name
+
+
+def _arch(value: str) -> int:
+    v = value.lower().removeprefix("sm_")
+    if not v.isdigit():
+        raise click.BadParameter(f"{value!r} is not an architecture like sm_90")
+    return int(v)
+
+
+def gpu_count() -> int:
+    try:
+        import cupy
+
+        return cupy.cuda.runtime.getDeviceCount()
+    except Exception:  # no driver, no device, or no CuPy
+        return 0
+
+
+@click.group()
+@click.version_option(package_name="cunorm")
+def main():
+    """cunorm: row-wise normalization kernels for CuPy."""
+
+
+@main.command()
+@click.option("--sizes", callback=_csv(int), help="Hidden sizes, comma-separated (default: the tuned table "
+              "plus a heuristic sample).")
+@click.option("--rows", callback=_csv(int), help="Row counts, comma-separated (default: 1,37,4096).")
+@click.option("--dtypes", "dtype_names", callback=_csv(_dtype_list), help="Input dtypes: fp32,fp16,bf16 (default all).")
+@click.option("--op", "ops", type=click.Choice(["fwd", "bwd"]), multiple=True, help="Only these ops (repeatable).")
+@click.option("--seed", type=int, default=None, help="Random seed (default: fresh).")
+@click.option("--compile-only", is_flag=True, help="Compile every variant with NVRTC (no GPU) and report "
+              "registers and spills.")
+@click.option("--arch", default="sm_90", show_default=True, help="Target architecture for --compile-only.")
+@click.option("--json", "as_json", is_flag=True, help="Print results as JSON.")
+def check(sizes, rows, dtype_names, ops, seed, compile_only, arch, as_json):
+    """Check the kernels against the float64 reference (exit 0: all pass, 1: a failure, 3: no GPU)."""
+    op_names = tuple({"fwd": "layer_norm", "bwd": "layer_norm_backward"}[o] for o in ops) or \
+        ("layer_norm", "layer_norm_backward")
+    if compile_only:
+        sys.exit(_compile_only(sizes, dtype_names or dtypes.NAMES, op_names, _arch(arch), as_json))
+    if gpu_count() == 0:
+        click.echo("cunorm check: no CUDA GPU found (use --compile-only to check compilation without one)", err=True)
+        sys.exit(EXIT_NO_GPU)
+    from .check import default_cases, run_case
+
+    cases = default_cases(sizes, rows or (1, 37, 4096), dtype_names or dtypes.NAMES, op_names)
+    rng = np.random.default_rng(seed)
+    results = []
+    with click.progressbar(cases, label="checking", file=sys.stderr) as bar:
+        for case in bar:
+            results += run_case(case, rng)
+    failed = [r for r in results if not r.ok]
+    if as_json:
+        click.echo(json.dumps({"results": [r.as_dict() for r in results], "failed": len(failed)}, indent=1))
+    else:
+        click.echo(f"{'case':<70} {'output':<8} {'rel-L2':>10} {'tol':>8}  result")
+        for r in results:
+            click.echo(f"{r.case.label():<70} {r.output:<8} {r.error:>10.2e} {r.tolerance:>8.0e}  "
+                       f"{'PASS' if r.ok else 'FAIL'}")
+        click.echo(f"{len(results) - len(failed)} passed, {len(failed)} failed")
+    sys.exit(EXIT_FAIL if failed else 0)
+
+
+def _variants(sizes, dtype_names, op_names, arch):
+    """(traits, source) of every dispatch entry the checker would run."""
+    from .check import HEURISTIC_SAMPLE
+
+    sizes = tuple(sizes) if sizes else dispatch.TUNED_SIZES + HEURISTIC_SAMPLE
+    for op in op_names:
+        for n in sizes:
+            for dt in dtype_names:
+                for wdt in dict.fromkeys((dt, "float32")):
+                    yield dispatch.choose(n, dt, wdt, dt, backward=op == "layer_norm_backward", arch=arch)
+
+
+def _compile_only(sizes, dtype_names, op_names, arch, as_json) -> int:
+    from .compiler import CompileError, compile_only
+
+    rows, bad = [], 0
+    variants = list(_variants(sizes, dtype_names, op_names, arch))
+    with click.progressbar(variants, label=f"compiling for sm_{arch}", file=sys.stderr) as bar:
+        for traits, source in bar:
+            try:
+                report = compile_only(traits, arch)
+            except (CompileError, ValueError) as e:
+                bad += 1
+                rows.append({"traits": traits.as_dict(), "source": source, "error": str(e), "ok": False})
+                continue
+            ok = report.clean
+            bad += not ok
+            rows.append({"traits": traits.as_dict(), "source": source, "ok": ok,
+                         "functions": [f.__dict__ for f in report.functions]})
+    if as_json:
+        click.echo(json.dumps({"arch": arch, "variants": rows, "failed": bad}, indent=1))
+    else:
+        click.echo(f"{'variant':<72} {'kernel':<24} {'regs':>4} {'stack':>5} {'spill':>5}  result")
+        for r in rows:
+            t = r["traits"]
+            label = (f"{'bwd' if t['backward'] else 'fwd'} N={t['hidden_size']} {t['input_dtype']}/{t['weight_dtype']}"
+                     f" {t['warps_m']}x{t['warps_n']}x{t['ctas_per_row']} {t['bytes_per_ldg']}B ({r['source']})")
+            if "error" in r:
+                click.echo(f"{label:<72} ERROR {r['error'].splitlines()[0]}")
+                continue
+            for f in r["functions"]:
+                spill = f["spill_stores"] + f["spill_loads"]
+                click.echo(f"{label:<72} {f['name']:<24} {f['registers']:>4} {f['stack_frame']:>5} {spill:>5}  "
+                           f"{'ok' if not spill and not f['stack_frame'] else 'FAIL'}")
+        click.echo(f"{len(rows) - bad} passed, {bad} failed")
+    return EXIT_FAIL if bad else 0
+
+
+@main.command()
+@click.option("--json", "as_json", is_flag=True)
+def info(as_json):
+    """Versions, GPU, NVRTC and architecture."""
+    import platform
+
+    from . import __version__
+    from .render import kernel_dir
+
+    out = {"cunorm": __version__, "python": platform.python_version(), "numpy": np.__version__,
+           "kernels": str(kernel_dir())}
+    try:
+        import cupy
+
+        out["cupy"] = cupy.__version__
+        from cupy_backends.cuda.libs import nvrtc
+
+        out["nvrtc"] = ".".join(map(str, nvrtc.getVersion()))
+    except Exception as e:  # report, don't fail: info is for bug reports
+        out.setdefault("cupy", None)
+        out["nvrtc"] = f"unavailable ({type(e).__name__}: {e})"
+    out["gpus"] = []
+    for i in range(gpu_count()):
+        import cupy
+
+        d = cupy.cuda.Device(i)
+        props = cupy.cuda.runtime.getDeviceProperties(i)
+        out["gpus"].append({"id": i, "name": props["name"].decode(), "arch": f"sm_{d.compute_capability}",
+                            "sms": d.attributes["MultiProcessorCount"],
+                            "memory_gib": round(props["totalGlobalMem"] / 2**30, 1)})
+    if as_json:
+        click.echo(json.dumps(out, indent=1))
+        return
+    for k, v in out.items():
+        if k != "gpus":
+            click.echo(f"{k:<8} {v}")
+    if not out["gpus"]:
+        click.echo("gpu      none found")
+    for g in out["gpus"]:
+        click.echo(f"gpu {g['id']:<4} {g['name']} ({g['arch']}, {g['sms']} SMs, {g['memory_gib']} GiB)")
+
+
+@main.command(name="list")
+@click.option("--arch", default="sm_90", show_default=True, help="Architecture the dispatch is for.")
+@click.option("--json", "as_json", is_flag=True)
+def list_(arch, as_json):
+    """The dispatch table: traits per hidden size, dtype and direction."""
+    arch = _arch(arch)
+    rows = []
+    for n in dispatch.TUNED_SIZES:
+        for dt in dtypes.NAMES:
+            for backward in (False, True):
+                t, source = dispatch.choose(n, dt, dt, dt, backward=backward, arch=arch)
+                rows.append({"hidden_size": n, "dtype": dt, "op": "bwd" if backward else "fwd", "source": source,
+                             **t.knobs(), "ldgs": t.ldgs, "threads_per_cta": t.threads_per_cta})
+    if as_json:
+        click.echo(json.dumps(rows, indent=1))
+        return
+    click.echo(f"{'N':>6} {'dtype':<9} {'op':<3} {'WARPS_M':>7} {'WARPS_N':>7} {'CTAS/ROW':>8} {'B/LDG':>5} "
+               f"{'LDGS':>4} {'threads':>7}  source")
+    for r in rows:
+        click.echo(f"{r['hidden_size']:>6} {r['dtype']:<9} {r['op']:<3} {r['warps_m']:>7} {r['warps_n']:>7} "
+                   f"{r['ctas_per_row']:>8} {r['bytes_per_ldg']:>5} {r['ldgs']:>4} {r['threads_per_cta']:>7}  "
+                   f"{r['source']}")
+
+
+if __name__ == "__main__":
+    main()

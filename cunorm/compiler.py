@@ -1,0 +1,147 @@
+"""One compile path: render -> NVRTC -> cached kernels.
+
+On a GPU, kernels are compiled once per (traits, device) through
+`cupy.RawModule` (CuPy also caches the cubin on disk, keyed by the rendered
+source, options and architecture, so the cache never goes stale). Without a
+GPU, `compile_only` drives NVRTC directly for an explicit architecture and
+returns the cubin with ptxas's resource report.
+"""
+from __future__ import annotations
+
+import re
+import threading
+from dataclasses import dataclass, field
+
+from .render import render
+
+NVRTC_OPTIONS = ("-std=c++17",)
+
+
+class CompileError(RuntimeError):
+    """NVRTC rejected a rendered kernel; the message holds its log."""
+
+
+@dataclass(frozen=True)
+class FunctionReport:
+    name: str
+    registers: int
+    stack_frame: int
+    spill_stores: int
+    spill_loads: int
+    smem_bytes: int
+
+    @property
+    def spills(self) -> bool:
+        return self.spill_stores > 0 or self.spill_loads > 0
+
+
+@dataclass(frozen=True)
+class CompileReport:
+    arch: int
+    cubin: bytes = field(repr=False)
+    log: str = field(repr=False)
+    functions: tuple  # of FunctionReport
+
+    @property
+    def clean(self) -> bool:
+        """No spills and no stack frame in any kernel."""
+        return all(not f.spills and f.stack_frame == 0 for f in self.functions)
+
+
+_FUNC = re.compile(r"Function properties for (\w+)\s*\n.*?(\d+) bytes stack frame, (\d+) bytes spill stores, "
+                   r"(\d+) bytes spill loads.*?Used (\d+) registers(?:.*?(\d+) bytes smem)?", re.S)
+
+
+def parse_ptxas_log(log: str) -> tuple:
+    """FunctionReports from a `--ptxas-options=-v` log."""
+    out = []
+    for block in re.split(r"(?=ptxas info\s+: Compiling entry function)", log):
+        m = _FUNC.search(block)
+        if m:
+            name, stack, st, ld, regs, smem = m.groups()
+            out.append(FunctionReport(name, int(regs), int(stack), int(st), int(ld), int(smem or 0)))
+    return tuple(out)
+
+
+def compile_only(traits, arch: int = 90) -> CompileReport:
+    """Compile `traits`'s kernels for sm_<arch> with NVRTC; needs no GPU."""
+    traits.check_arch(arch)
+    from cupy_backends.cuda.libs import nvrtc
+
+    source = render(traits)
+    prog = nvrtc.createProgram(source, traits.source_file, [], [])
+    try:
+        try:
+            nvrtc.compileProgram(prog, [*NVRTC_OPTIONS, f"-arch=sm_{arch}", "--ptxas-options=-v"])
+        except nvrtc.NVRTCError as e:
+            raise CompileError(f"{traits.short()} failed to compile for sm_{arch}: {e}\n"
+                               f"{nvrtc.getProgramLog(prog)}") from None
+        log = nvrtc.getProgramLog(prog)
+        cubin = nvrtc.getCUBIN(prog)
+    finally:
+        nvrtc.destroyProgram(prog)
+    return CompileReport(arch, cubin, log, parse_ptxas_log(log))
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """A loaded kernel and what its launches need to know."""
+
+    function: object  # cupy.RawKernel
+    threads: int
+    blocks_per_sm: int  # occupancy at `threads` threads per CTA
+    sm_count: int
+
+    def __call__(self, grid: int, args: tuple):
+        self.function((grid,), (self.threads,), args)
+
+
+_cache: dict = {}
+_cache_lock = threading.Lock()
+_key_locks: dict = {}
+
+
+def device_arch(device_id: int) -> int:
+    import cupy
+
+    return int(cupy.cuda.Device(device_id).compute_capability)
+
+
+def kernels_for(traits, device_id: int) -> dict:
+    """{name: Kernel} for `traits` on GPU `device_id`, compiled on first use.
+    Threads asking for the same kernels at once compile them once."""
+    key = (traits, device_id)
+    hit = _cache.get(key)
+    if hit is not None:
+        return hit
+    with _cache_lock:
+        lock = _key_locks.setdefault(key, threading.Lock())
+    with lock:
+        hit = _cache.get(key)
+        if hit is None:
+            hit = _load(traits, device_id)
+            _cache[key] = hit
+    return hit
+
+
+def _load(traits, device_id: int) -> dict:
+    import cupy
+
+    traits.check_arch(device_arch(device_id))
+    with cupy.cuda.Device(device_id) as dev:
+        module = cupy.RawModule(code=render(traits), options=NVRTC_OPTIONS)
+        sm_count = dev.attributes["MultiProcessorCount"]
+        out = {}
+        for name, threads in traits.launch_threads().items():
+            try:
+                fn = module.get_function(name)
+            except cupy.cuda.compiler.CompileException as e:
+                raise CompileError(f"{traits.short()} failed to compile: {e}") from None
+            out[name] = Kernel(fn, threads, _blocks_per_sm(fn, threads), sm_count)
+    return out
+
+
+def _blocks_per_sm(fn, threads: int) -> int:
+    from cupy_backends.cuda.api import driver
+
+    return max(1, driver.occupancyMaxActiveBlocksPerMultiprocessor(fn.kernel.ptr, threads, 0))

@@ -1,0 +1,84 @@
+"""Which traits run a given LayerNorm call.
+
+Two sources, in this order: the tuned table (knobs measured best on a GPU by
+`cunorm tune`, a literal below), then a heuristic that derives legal traits for
+any other hidden size. Both give only the knobs; the call supplies hidden size,
+dtypes and flags, and `Traits` checks the result.
+"""
+from __future__ import annotations
+
+import math
+
+from . import dtypes
+from .traits import CLUSTER_MIN_ARCH, Traits
+
+# Hidden sizes with tuned entries (both directions, every input dtype).
+TUNED_SIZES = (768, 1024, 1536, 2048, 2304, 3072, 3840, 4096, 5120, 6144, 8192, 10240, 12288, 12800, 14336,
+               15360, 16384, 18432, 20480, 24576, 25600, 30720, 32768, 40960, 49152, 65536)
+
+# (backward, hidden size, input element bytes) -> (WARPS_M, WARPS_N, CTAS_PER_ROW, BYTES_PER_LDG)
+TUNED: dict = {
+}
+
+# The heuristic aims for this many vector loads of x per thread: enough bytes
+# in flight per thread, few enough registers for several CTAs per SM.
+TARGET_LDGS = {False: 4, True: 4}
+MIN_THREADS_PER_CTA = 128
+# Above 512 threads a CTA gets fewer than 128 registers per thread; wider rows
+# are split across a cluster instead.
+MAX_HEURISTIC_WARPS_N = {False: 16, True: 8}  # the backward holds twice the row (x and dy)
+
+
+def tuned_knobs(backward: bool, hidden_size: int, input_dtype: str):
+    return TUNED.get((backward, hidden_size, dtypes.itemsize(input_dtype)))
+
+
+def choose(hidden_size: int, input_dtype: str, weight_dtype: str, output_dtype: str, *, has_weight: bool = True,
+           has_bias: bool = True, backward: bool = False, arch: int = CLUSTER_MIN_ARCH) -> tuple:
+    """(Traits, source) for a call, source being "tuned" or "heuristic"."""
+    base = dict(hidden_size=hidden_size, input_dtype=input_dtype, weight_dtype=weight_dtype,
+                output_dtype=output_dtype, has_weight=has_weight, has_bias=has_bias, backward=backward)
+    knobs = tuned_knobs(backward, hidden_size, input_dtype)
+    if knobs is not None:
+        wm, wn, ctas, bpl = knobs
+        if ctas == 1 or arch >= CLUSTER_MIN_ARCH:
+            return Traits(**base, warps_m=wm, warps_n=wn, ctas_per_row=ctas, bytes_per_ldg=bpl), "tuned"
+    return heuristic(arch=arch, **base), "heuristic"
+
+
+def heuristic(*, hidden_size: int, input_dtype: str, backward: bool = False, arch: int = CLUSTER_MIN_ARCH,
+              **rest) -> Traits:
+    """Legal traits for any hidden size: the candidate with the fewest idle
+    vector slots and the load count closest to TARGET_LDGS, preferring fewer
+    CTAs per row; then enough rows per CTA to reach MIN_THREADS_PER_CTA."""
+    itemsize = dtypes.itemsize(input_dtype)
+    # Widest load that divides the row.
+    bytes_per_ldg = next(b for b in (16, 8, 4, 2) if b >= itemsize and hidden_size % (b // itemsize) == 0)
+    ctas_options = (1, 2, 4, 8) if arch >= CLUSTER_MIN_ARCH else (1,)
+    best, best_cost = None, math.inf
+    for ctas in ctas_options:
+        for warps_n in range(1, MAX_HEURISTIC_WARPS_N[backward] + 1):
+            try:
+                t = Traits(hidden_size=hidden_size, input_dtype=input_dtype, backward=backward, warps_n=warps_n,
+                           ctas_per_row=ctas, bytes_per_ldg=bytes_per_ldg, **rest)
+            except ValueError:
+                continue
+            slots = t.ldgs * t.vec_cols_per_ldg
+            idle = (slots - t.vec_cols) / slots
+            # Fewer loads than the target cost latency hiding; more cost registers (and spill).
+            ratio = math.log2(t.ldgs / TARGET_LDGS[backward])
+            cost = (4.0 * idle + (-ratio if ratio < 0 else 3.0 * ratio) + 0.25 * (ctas - 1)
+                    + 0.5 * (warps_n & (warps_n - 1) != 0))
+            if cost < best_cost:
+                best, best_cost = t, cost
+    if best is None:
+        raise ValueError(f"no legal traits for hidden size {hidden_size} ({input_dtype}, "
+                         f"{'backward' if backward else 'forward'}) on sm_{arch}")
+    if best.ctas_per_row == 1:
+        warps_m = max(1, MIN_THREADS_PER_CTA // best.threads_per_row)
+        while warps_m > 1:
+            try:
+                return best.replace(warps_m=warps_m)
+            except ValueError:
+                warps_m //= 2
+    return best

@@ -1,0 +1,48 @@
+"""The floating-point types cunorm kernels read and write, by name."""
+from __future__ import annotations
+
+import numpy as np
+
+try:  # bf16 arrays are ml_dtypes.bfloat16 (CuPy 14 accepts them)
+    import ml_dtypes
+
+    BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+except ImportError:  # pragma: no cover - ml_dtypes is a dependency
+    BFLOAT16 = None
+
+# name -> (C++ storage type in kernels/cunorm_common.cuh, bytes)
+CXX_TYPES = {"float32": ("float", 4), "float16": ("cn_half", 2), "bfloat16": ("cn_bf16", 2)}
+NAMES = tuple(CXX_TYPES)
+
+
+def name_of(dtype) -> str:
+    """Canonical name of a supported dtype; ValueError for anything else."""
+    if isinstance(dtype, str) and dtype in CXX_TYPES:
+        return dtype
+    try:
+        dt = np.dtype(dtype)
+    except TypeError:
+        raise ValueError(f"unsupported dtype {dtype!r}; expected one of {', '.join(NAMES)}") from None
+    if BFLOAT16 is not None and dt == BFLOAT16:
+        return "bfloat16"
+    if dt == np.float32:
+        return "float32"
+    if dt == np.float16:
+        return "float16"
+    raise ValueError(f"unsupported dtype {dt}; expected one of {', '.join(NAMES)}")
+
+
+def numpy_dtype(name: str) -> np.dtype:
+    if name == "bfloat16":
+        if BFLOAT16 is None:
+            raise ImportError("bfloat16 needs the ml_dtypes package")
+        return BFLOAT16
+    return np.dtype(name)
+
+
+def itemsize(name: str) -> int:
+    return CXX_TYPES[name][1]
+
+
+def cxx_type(name: str) -> str:
+    return CXX_TYPES[name][0]

@@ -1,0 +1,185 @@
+"""Kernel traits of the row-normalization family.
+
+`Traits` mirrors `kernels/norm_traits.cuh` one-to-one: the same independent
+knobs, the same derived quantities, and every static_assert of the kernels
+re-stated as a ValueError that names the rule, so illegal traits fail in Python
+before anything is compiled or launched.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from functools import cached_property
+
+from . import dtypes
+
+THREADS_PER_WARP = 32
+MAX_THREADS_PER_CTA = 1024
+# Elements of a row one thread holds in registers. Above these, the compiler
+# spills (checked by the compile tier of the tests).
+MAX_ELTS_PER_THREAD = {False: 64, True: 32}  # keyed by `backward`
+STATIC_SMEM_LIMIT = 48 * 1024
+CLUSTER_MIN_ARCH = 90
+# Warps of the backward's finalize kernel (each sums a slice of the partial rows).
+FINALIZE_WARPS = 16
+
+
+@dataclass(frozen=True)
+class Traits:
+    """Independent knobs of one LayerNorm kernel; everything else is derived.
+
+    hidden_size: N, the length of a row.
+    input_dtype: x (and dx); weight_dtype: gamma/beta (and their gradients);
+    output_dtype: y (and dy). Names as in `cunorm.dtypes.NAMES`.
+    warps_m: rows per CTA (one warp-row each); warps_n: warps across a row;
+    ctas_per_row: CTAs sharing a row (a thread-block cluster, sm_90+);
+    bytes_per_ldg: bytes one thread moves per vector load of x.
+    has_weight / has_bias: whether gamma / beta are present.
+    backward: the backward kernel (dx, dgamma, dbeta) rather than the forward.
+    """
+
+    hidden_size: int
+    input_dtype: str = "float32"
+    weight_dtype: str = "float32"
+    output_dtype: str = "float32"
+    compute_dtype: str = "float32"
+    warps_m: int = 1
+    warps_n: int = 1
+    ctas_per_row: int = 1
+    bytes_per_ldg: int = 16
+    has_weight: bool = True
+    has_bias: bool = True
+    backward: bool = False
+
+    def __post_init__(self):
+        for field in ("input_dtype", "weight_dtype", "output_dtype", "compute_dtype"):
+            object.__setattr__(self, field, dtypes.name_of(getattr(self, field)))
+        self._check()
+
+    # -- derived, as in norm_traits.cuh ------------------------------------
+    @property
+    def threads_per_row(self) -> int:
+        return self.warps_n * THREADS_PER_WARP
+
+    @property
+    def rows_per_cta(self) -> int:
+        return self.warps_m
+
+    @property
+    def threads_per_cta(self) -> int:
+        return self.warps_m * self.threads_per_row
+
+    @property
+    def elts_per_ldg(self) -> int:
+        return self.bytes_per_ldg // dtypes.itemsize(self.input_dtype)
+
+    @property
+    def vec_cols(self) -> int:
+        return self.hidden_size // self.elts_per_ldg
+
+    @property
+    def vec_cols_per_ldg(self) -> int:
+        return self.ctas_per_row * self.threads_per_row
+
+    @property
+    def ldgs(self) -> int:
+        return -(-self.vec_cols // self.vec_cols_per_ldg)
+
+    @property
+    def elts_per_thread(self) -> int:
+        return self.ldgs * self.elts_per_ldg
+
+    @property
+    def full_tiles(self) -> bool:
+        return self.vec_cols % self.vec_cols_per_ldg == 0
+
+    @property
+    def smem_bytes(self) -> int:
+        """Shared memory for folding WARPS_M rows of dgamma/dbeta partials (backward)."""
+        return self.warps_m * self.hidden_size * 4 if self.backward and self.warps_m > 1 else 0
+
+    @property
+    def source_file(self) -> str:
+        """The kernels/ file these traits render."""
+        return "layer_norm_bwd.cu" if self.backward else "layer_norm_fwd.cu"
+
+    def launch_threads(self) -> dict:
+        """{kernel name: threads per CTA} for the extern "C" kernels of source_file."""
+        if self.backward:
+            return {"layer_norm_bwd": self.threads_per_cta,
+                    "layer_norm_bwd_finalize": FINALIZE_WARPS * THREADS_PER_WARP}
+        return {"layer_norm_fwd": self.threads_per_cta}
+
+    @property
+    def uses_cluster(self) -> bool:
+        return self.ctas_per_row > 1
+
+    # -- the kernels' static_asserts ---------------------------------------
+    def _check(self):
+        def rule(ok: bool, message: str):
+            if not ok:
+                raise ValueError(f"illegal traits {self.short()}: {message}")
+
+        rule(isinstance(self.hidden_size, int) and self.hidden_size >= 1, "hidden_size must be a positive int")
+        rule(self.compute_dtype == "float32", "compute_dtype must be float32")
+        rule(self.warps_m >= 1 and self.warps_n >= 1, "WARPS_M and WARPS_N must be >= 1")
+        rule(self.threads_per_cta <= MAX_THREADS_PER_CTA, "at most 1024 threads per CTA (WARPS_M * WARPS_N * 32)")
+        rule(self.bytes_per_ldg in (2, 4, 8, 16), "BYTES_PER_LDG must be 2, 4, 8 or 16")
+        rule(self.bytes_per_ldg % dtypes.itemsize(self.input_dtype) == 0,
+             "BYTES_PER_LDG must hold whole input elements")
+        rule(self.hidden_size % self.elts_per_ldg == 0,
+             f"hidden size must be a multiple of the elements per load ({self.elts_per_ldg})")
+        rule(self.ctas_per_row in (1, 2, 4, 8), "CTAS_PER_ROW must be 1, 2, 4 or 8 (a portable cluster)")
+        rule(self.ctas_per_row == 1 or self.warps_m == 1, "several CTAs per row need WARPS_M == 1")
+        rule((self.ldgs - 1) * self.vec_cols_per_ldg < self.vec_cols, "the last LDG step of a row must not be empty")
+        rule(self.elts_per_thread <= MAX_ELTS_PER_THREAD[self.backward],
+             f"{self.elts_per_thread} elements per thread exceed the register budget of "
+             f"{MAX_ELTS_PER_THREAD[self.backward]} ({'backward' if self.backward else 'forward'})")
+        rule(self.smem_bytes <= STATIC_SMEM_LIMIT,
+             "WARPS_M * hidden size * 4 must fit in 48 KB of shared memory (backward)")
+
+    def check_arch(self, arch: int):
+        """Rules that depend on the GPU: clusters need sm_90 or newer."""
+        if self.uses_cluster and arch < CLUSTER_MIN_ARCH:
+            raise ValueError(f"illegal traits {self.short()}: CTAS_PER_ROW > 1 needs thread-block clusters "
+                             f"(sm_{CLUSTER_MIN_ARCH} or newer), not sm_{arch}")
+
+    # -- presentation -------------------------------------------------------
+    def replace(self, **changes) -> "Traits":
+        return dataclasses.replace(self, **changes)
+
+    def short(self) -> str:
+        return (f"N={self.hidden_size} {self.input_dtype}/{self.weight_dtype}->{self.output_dtype} "
+                f"WARPS_M={self.warps_m} WARPS_N={self.warps_n} CTAS_PER_ROW={self.ctas_per_row} "
+                f"BYTES_PER_LDG={self.bytes_per_ldg}")
+
+    def knobs(self) -> dict:
+        return {"warps_m": self.warps_m, "warps_n": self.warps_n, "ctas_per_row": self.ctas_per_row,
+                "bytes_per_ldg": self.bytes_per_ldg}
+
+    def as_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d.update(threads_per_cta=self.threads_per_cta, ldgs=self.ldgs, elts_per_thread=self.elts_per_thread,
+                 smem_bytes=self.smem_bytes)
+        return d
+
+    def template_values(self) -> dict:
+        """Placeholder values for kernels/norm_traits.cuh."""
+        return {
+            "INPUT_T": dtypes.cxx_type(self.input_dtype),
+            "WEIGHT_T": dtypes.cxx_type(self.weight_dtype),
+            "OUTPUT_T": dtypes.cxx_type(self.output_dtype),
+            "COMPUTE_T": dtypes.cxx_type(self.compute_dtype),
+            "HIDDEN_SIZE": self.hidden_size,
+            "WARPS_M": self.warps_m,
+            "WARPS_N": self.warps_n,
+            "CTAS_PER_ROW": self.ctas_per_row,
+            "BYTES_PER_LDG": self.bytes_per_ldg,
+            "HAS_WEIGHT": "true" if self.has_weight else "false",
+            "HAS_BIAS": "true" if self.has_bias else "false",
+            "LDGS": self.ldgs,
+            "THREADS_PER_CTA": self.threads_per_cta,
+            "SMEM_BYTES": self.smem_bytes,
+            "FINALIZE_WARPS": FINALIZE_WARPS,
+        }
+

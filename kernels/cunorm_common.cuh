@@ -1,0 +1,102 @@
+// cunorm common device code: storage types, converters, vectors, reductions.
+//
+// Inlined by the renderer (cunorm/render.py) in place of its #include line, so
+// the rendered text is the whole program. It needs no CUDA header: half and
+// bfloat16 conversions are single PTX instructions, which keeps compilation
+// free of a CUDA toolkit (only NVRTC is needed).
+#pragma once
+
+// 16-bit floats as raw bits; arithmetic is always done in fp32.
+struct cn_half { unsigned short bits; };
+struct cn_bf16 { unsigned short bits; };
+
+__device__ __forceinline__ float to_float(float v) { return v; }
+__device__ __forceinline__ float to_float(cn_half v) {
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v.bits));
+  return f;
+}
+__device__ __forceinline__ float to_float(cn_bf16 v) {
+  return __uint_as_float(static_cast<unsigned>(v.bits) << 16);
+}
+
+template <typename T> __device__ __forceinline__ T from_float(float f);
+template <> __device__ __forceinline__ float from_float<float>(float f) { return f; }
+template <> __device__ __forceinline__ cn_half from_float<cn_half>(float f) {
+  cn_half h;
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h.bits) : "f"(f));
+  return h;
+}
+template <> __device__ __forceinline__ cn_bf16 from_float<cn_bf16>(float f) {
+  cn_bf16 h;
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h.bits) : "f"(f));
+  return h;
+}
+
+// The widest single access a vector of BYTES bytes can be moved with.
+template <int BYTES> struct RawChunk;
+template <> struct RawChunk<2> { using type = unsigned short; };
+template <> struct RawChunk<4> { using type = unsigned int; };
+template <> struct RawChunk<8> { using type = uint2; };
+template <> struct RawChunk<16> { using type = uint4; };
+
+// N consecutive elements moved as 16-byte (or narrower) accesses. A vector
+// wider than 16 bytes (e.g. 8 fp32 weights beside 8 bf16 inputs) becomes
+// several 16-byte accesses.
+template <typename T, int N>
+struct Vec {
+  static constexpr int BYTES = int(sizeof(T)) * N;
+  static constexpr int CHUNK_BYTES = BYTES < 16 ? BYTES : 16;
+  static constexpr int CHUNKS = BYTES / CHUNK_BYTES;
+  using chunk_t = typename RawChunk<CHUNK_BYTES>::type;
+  union {
+    T elt[N];
+    chunk_t raw[CHUNKS];
+  };
+
+  // Loads vector number `vec` of a row that starts at `row`.
+  __device__ __forceinline__ void load(const T* row, long long vec) {
+    const chunk_t* src = reinterpret_cast<const chunk_t*>(row + vec * N);
+#pragma unroll
+    for (int c = 0; c < CHUNKS; ++c) raw[c] = src[c];
+  }
+  __device__ __forceinline__ void store(T* row, long long vec) const {
+    chunk_t* dst = reinterpret_cast<chunk_t*>(row + vec * N);
+#pragma unroll
+    for (int c = 0; c < CHUNKS; ++c) dst[c] = raw[c];
+  }
+  __device__ __forceinline__ void zero() {
+#pragma unroll
+    for (int c = 0; c < CHUNKS; ++c) raw[c] = chunk_t();
+  }
+  __device__ __forceinline__ float get(int i) const { return to_float(elt[i]); }
+  __device__ __forceinline__ void set(int i, float v) { elt[i] = from_float<T>(v); }
+};
+
+__device__ __forceinline__ float warp_sum(float v) {
+  // A butterfly leaves the same bits in every lane: each step adds the same
+  // two numbers on both partners, and fp32 addition is commutative.
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
+  return v;
+}
+
+// Thread-block clusters (sm_90+): barrier and distributed shared memory reads,
+// in PTX so that no cooperative_groups header is needed.
+__device__ __forceinline__ void cluster_sync() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+#endif
+}
+
+// Reads the float at `local` (a __shared__ address) in the CTA of cluster rank `rank`.
+__device__ __forceinline__ float load_cluster_shared(const float* local, unsigned rank) {
+  float v = 0.f;
+#if __CUDA_ARCH__ >= 900
+  unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(local));
+  unsigned remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(addr), "r"(rank));
+  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
+#endif
+  return v;
+}

@@ -1,0 +1,139 @@
+// Kernel traits of the row-normalization family, filled in from cunorm.Traits.
+//
+// The independent knobs are rendered from Python; everything else is derived
+// here, and cunorm/traits.py derives the same quantities and states the same
+// rules (the static_asserts at the end check that the two agree).
+#pragma once
+
+typedef ${INPUT_T} input_t;    // x, dx
+typedef ${WEIGHT_T} weight_t;  // gamma, beta, dgamma, dbeta
+typedef ${OUTPUT_T} output_t;  // y, dy
+typedef ${COMPUTE_T} compute_t;
+
+constexpr int COLS = ${HIDDEN_SIZE};
+constexpr int WARPS_M = ${WARPS_M};
+constexpr int WARPS_N = ${WARPS_N};
+#define CN_CTAS_PER_ROW ${CTAS_PER_ROW}
+constexpr int CTAS_PER_ROW = CN_CTAS_PER_ROW;
+constexpr int BYTES_PER_LDG = ${BYTES_PER_LDG};
+constexpr bool HAS_WEIGHT = ${HAS_WEIGHT};
+constexpr bool HAS_BIAS = ${HAS_BIAS};
+
+constexpr int THREADS_PER_WARP = 32;
+constexpr int THREADS_PER_ROW = WARPS_N * THREADS_PER_WARP;
+constexpr int ROWS_PER_CTA = WARPS_M;
+constexpr int THREADS_PER_CTA = WARPS_M * THREADS_PER_ROW;
+constexpr int ELTS_PER_LDG = BYTES_PER_LDG / int(sizeof(input_t));
+constexpr int VEC_COLS = COLS / ELTS_PER_LDG;                    // vectors in a row
+constexpr int VEC_COLS_PER_LDG = CTAS_PER_ROW * THREADS_PER_ROW;  // vectors one LDG step covers
+constexpr int LDGS = (VEC_COLS + VEC_COLS_PER_LDG - 1) / VEC_COLS_PER_LDG;
+constexpr int ELTS_PER_THREAD = LDGS * ELTS_PER_LDG;
+// Whether every thread's every LDG lands inside the row (no column predicate).
+constexpr bool FULL_TILES = VEC_COLS % VEC_COLS_PER_LDG == 0;
+
+static_assert(sizeof(compute_t) == 4, "compute_t must be fp32");
+static_assert(WARPS_M >= 1 && WARPS_N >= 1, "WARPS_M and WARPS_N must be >= 1");
+static_assert(THREADS_PER_CTA <= 1024, "at most 1024 threads per CTA");
+static_assert(BYTES_PER_LDG == 2 || BYTES_PER_LDG == 4 || BYTES_PER_LDG == 8 || BYTES_PER_LDG == 16,
+              "BYTES_PER_LDG must be 2, 4, 8 or 16");
+static_assert(BYTES_PER_LDG % sizeof(input_t) == 0, "BYTES_PER_LDG must hold whole input elements");
+static_assert(COLS % ELTS_PER_LDG == 0, "hidden size must be a multiple of the elements per load");
+static_assert(CTAS_PER_ROW == 1 || CTAS_PER_ROW == 2 || CTAS_PER_ROW == 4 || CTAS_PER_ROW == 8,
+              "CTAS_PER_ROW must be 1, 2, 4 or 8 (a portable cluster)");
+static_assert(CTAS_PER_ROW == 1 || WARPS_M == 1, "several CTAs per row need WARPS_M == 1");
+static_assert((LDGS - 1) * VEC_COLS_PER_LDG < VEC_COLS, "the last LDG step of a row must not be empty");
+
+#if CN_CTAS_PER_ROW > 1
+#define CN_CLUSTER_DIMS __cluster_dims__(CN_CTAS_PER_ROW, 1, 1)
+#else
+#define CN_CLUSTER_DIMS
+#endif
+
+// Where this thread sits: which row of the CTA, which column vector it starts at.
+struct Coords {
+  int lane, warp_m, warp_n;
+  int cta_rank;            // rank of this CTA among the CTAS_PER_ROW sharing a row
+  long long group;         // index of this CTA's row group (ROWS_PER_CTA rows)
+  long long groups;        // row groups in the grid
+  int col;                 // first vector column of this thread
+
+  __device__ __forceinline__ Coords() {
+    const int warp = threadIdx.x / THREADS_PER_WARP;
+    lane = threadIdx.x % THREADS_PER_WARP;
+    warp_m = warp / WARPS_N;
+    warp_n = warp % WARPS_N;
+    cta_rank = blockIdx.x % CTAS_PER_ROW;
+    group = blockIdx.x / CTAS_PER_ROW;
+    groups = gridDim.x / CTAS_PER_ROW;
+    col = cta_rank * THREADS_PER_ROW + warp_n * THREADS_PER_WARP + lane;
+  }
+  // Vector column of LDG step `it`, and whether it lies in the row.
+  __device__ __forceinline__ int vec(int it) const { return col + it * VEC_COLS_PER_LDG; }
+  __device__ __forceinline__ bool in_row(int it) const { return FULL_TILES || vec(it) < VEC_COLS; }
+  // Whether this thread writes per-row values (mean, rstd): one per row.
+  __device__ __forceinline__ bool row_leader() const { return lane == 0 && warp_n == 0 && cta_rank == 0; }
+};
+
+// Sums K values over the threads of one row (all WARPS_N warps, and all
+// CTAS_PER_ROW CTAs of a cluster); every thread of the row gets the same bits.
+// Partials are added in a fixed order, so results are reproducible run to run.
+// Two scratch buffers alternate: a buffer is rewritten only after a later
+// barrier that every reader of its previous contents has passed.
+template <int K>
+struct RowReducer {
+  float (*warp_partials)[WARPS_M][WARPS_N][K];
+  float (*cta_partials)[K];
+  int parity = 0;
+
+  __device__ __forceinline__ RowReducer(float (*warps)[WARPS_M][WARPS_N][K], float (*ctas)[K])
+      : warp_partials(warps), cta_partials(ctas) {}
+
+  __device__ __forceinline__ void allreduce(float (&v)[K], const Coords& at) {
+#pragma unroll
+    for (int k = 0; k < K; ++k) v[k] = warp_sum(v[k]);
+    if constexpr (WARPS_N > 1) {
+      if (at.lane == 0) {
+#pragma unroll
+        for (int k = 0; k < K; ++k) warp_partials[parity][at.warp_m][at.warp_n][k] = v[k];
+      }
+      __syncthreads();
+#pragma unroll
+      for (int k = 0; k < K; ++k) {
+        float s = 0.f;
+#pragma unroll
+        for (int w = 0; w < WARPS_N; ++w) s += warp_partials[parity][at.warp_m][w][k];
+        v[k] = s;
+      }
+    }
+    if constexpr (CTAS_PER_ROW > 1) {
+      if (threadIdx.x == 0) {
+#pragma unroll
+        for (int k = 0; k < K; ++k) cta_partials[parity][k] = v[k];
+      }
+      cluster_sync();
+#pragma unroll
+      for (int k = 0; k < K; ++k) {
+        float s = 0.f;
+#pragma unroll
+        for (int r = 0; r < CTAS_PER_ROW; ++r) s += load_cluster_shared(&cta_partials[parity][k], r);
+        v[k] = s;
+      }
+    }
+    parity ^= 1;
+  }
+};
+
+// Declares the scratch a RowReducer<K> needs and constructs it as `name`.
+#define CN_ROW_REDUCER(K, name)                                   \
+  __shared__ float name##_warps[2][WARPS_M][WARPS_N][K];          \
+  __shared__ float name##_ctas[2][K];                             \
+  RowReducer<K> name(name##_warps, name##_ctas)
+
+// A CTA must not exit while cluster peers may still read its shared memory.
+__device__ __forceinline__ void finish_cluster() {
+  if constexpr (CTAS_PER_ROW > 1) cluster_sync();
+}
+
+// Python's derivation of the same traits (cunorm/traits.py) must agree.
+static_assert(LDGS == ${LDGS}, "cunorm.Traits.ldgs disagrees with the kernel");
+static_assert(THREADS_PER_CTA == ${THREADS_PER_CTA}, "cunorm.Traits.threads_per_cta disagrees with the kernel");

@@ -1,0 +1,60 @@
+"""Test tiers: A (pure Python, always), B (`nvrtc`: compiles kernels, no GPU
+needed), C (`gpu`: runs kernels). A tier's tests skip with a reason when its
+requirement is missing, and fail instead when CUNORM_REQUIRE_GPU=1 (tier C) or
+CUNORM_REQUIRE_NVRTC=1 (tier B) is set, so no run passes by skipping."""
+import functools
+import os
+
+import pytest
+
+
+@functools.lru_cache(maxsize=None)
+def gpu_available() -> str | None:
+    """None if a CUDA GPU is usable, else why not."""
+    try:
+        import cupy
+
+        if cupy.cuda.runtime.getDeviceCount() < 1:
+            return "no CUDA device"
+        cupy.zeros(1).sum()  # a real launch: the driver and a context work
+        return None
+    except Exception as e:
+        return f"no usable CUDA GPU ({type(e).__name__}: {e})"
+
+
+@functools.lru_cache(maxsize=None)
+def nvrtc_available() -> str | None:
+    try:
+        from cupy_backends.cuda.libs import nvrtc
+
+        nvrtc.getVersion()
+        return None
+    except Exception as e:
+        return f"NVRTC unavailable ({type(e).__name__}: {e})"
+
+
+def _require(marker: str, why: str | None, env: str):
+    if why is None:
+        return
+    if os.environ.get(env) == "1":
+        pytest.fail(f"{marker} test cannot run: {why} ({env}=1 forbids skipping)")
+    pytest.skip(f"{marker} test: {why}")
+
+
+@pytest.fixture(autouse=True)
+def _tiers(request):
+    if request.node.get_closest_marker("gpu"):
+        _require("gpu", gpu_available(), "CUNORM_REQUIRE_GPU")
+    if request.node.get_closest_marker("nvrtc"):
+        _require("nvrtc", nvrtc_available(), "CUNORM_REQUIRE_NVRTC")
+
+
+@pytest.fixture
+def rng(request):
+    import numpy as np
+
+    # Fresh inputs every run; the seed is printed on failure to reproduce.
+    seed = int.from_bytes(os.urandom(4), "little")
+    request.node.user_properties.append(("seed", seed))
+    print(f"seed={seed}")
+    return np.random.default_rng(seed)

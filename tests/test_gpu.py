@@ -1,0 +1,161 @@
+"""Tier C: the real kernels on a GPU against the float64 reference."""
+import numpy as np
+import pytest
+
+import cunorm
+from cunorm import check, dispatch, dtypes
+
+pytestmark = pytest.mark.gpu
+
+DTYPES = dtypes.NAMES
+SIZES_QUICK = (768, 1024, 4096, 5120, 8192, 12288, 16384, 32768, 65536, 8, 40, 1000, 7168)
+
+
+def _assert_ok(results):
+    bad = [f"{r.case.label()} {r.output}: {r.error:.3e} > {r.tolerance:.0e}" for r in results if not r.ok]
+    assert not bad, "\n".join(bad)
+
+
+@pytest.mark.parametrize("n", dispatch.TUNED_SIZES + check.HEURISTIC_SAMPLE)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("op", ["layer_norm", "layer_norm_backward"])
+def test_against_reference(op, n, dtype, rng):
+    for wdt in dict.fromkeys((dtype, "float32")):
+        for rows in (1, 37, 300):
+            _assert_ok(check.run_case(check.Case(op, n, rows, dtype, wdt), rng))
+
+
+@pytest.mark.parametrize("has_weight,has_bias", [(False, False), (True, False), (False, True)])
+@pytest.mark.parametrize("op", ["layer_norm", "layer_norm_backward"])
+def test_optional_weight_and_bias(op, has_weight, has_bias, rng):
+    for n in (1024, 8, 65536):
+        _assert_ok(check.run_case(check.Case(op, n, 37, "bfloat16", "bfloat16", has_weight, has_bias), rng))
+
+
+def test_many_rows_and_leading_axes(rng):
+    import cupy
+
+    x = cupy.asarray(rng.standard_normal((3, 5, 77, 2048)).astype(np.float16))
+    w = cupy.asarray(rng.standard_normal(2048).astype(np.float32))
+    b = cupy.asarray(rng.standard_normal(2048).astype(np.float32))
+    y, mean, rstd = cunorm.layer_norm(x, w, b, return_stats=True)
+    assert y.shape == x.shape and y.dtype == x.dtype and mean.shape == (3, 5, 77)
+    y_ref, _, _ = cunorm.reference.layer_norm(x, w, b)
+    assert check.rel_l2(y, y_ref) < 1e-3
+    dy = cupy.asarray(rng.standard_normal(x.shape).astype(np.float16))
+    dx, dw, db = cunorm.layer_norm_backward(dy, x, mean, rstd, w)
+    ref = cunorm.reference.layer_norm_backward(dy, x, mean, rstd, w)
+    assert dx.shape == x.shape and dw.dtype == np.float32
+    for got, want in zip((dx, dw, db), ref):
+        assert check.rel_l2(got, want) < 1e-3
+
+
+@pytest.mark.parametrize("n,dtype", [(1024, "bfloat16"), (4096, "float32"), (65536, "bfloat16"), (1000, "float16")])
+def test_backward_bitwise_deterministic(n, dtype, rng):
+    import cupy
+
+    case = check.Case("layer_norm_backward", n, 4096, dtype, dtype)
+    x, w, _ = check._inputs(case, rng)
+    dy = cupy.asarray(rng.standard_normal(x.shape).astype(x.dtype))
+    _, mean, rstd = cunorm.layer_norm(x, w, None, return_stats=True)
+    runs = [cunorm.layer_norm_backward(dy, x, mean, rstd, w) for _ in range(3)]
+    for other in runs[1:]:
+        for a, b in zip(runs[0], other):
+            assert cupy.array_equal(a.view(np.uint16 if a.itemsize == 2 else np.uint32),
+                                    b.view(np.uint16 if b.itemsize == 2 else np.uint32))
+
+
+def test_large_row_count(rng):
+    """M*N well past 2^31 elements' worth of bytes: 64-bit row offsets."""
+    import cupy
+
+    n, m = 8192, (2**31 // 8192) + 37  # 2^31 + 37*8192 elements
+    x = cupy.empty((m, n), dtype=dtypes.BFLOAT16)
+    x[...] = cupy.random.standard_normal((1, n), dtype=np.float32).astype(dtypes.BFLOAT16) + 1
+    x[-1] = cupy.asarray(rng.standard_normal(n).astype(dtypes.BFLOAT16))
+    y = cunorm.layer_norm(x)
+    tail = y[-2:]
+    ref, _, _ = cunorm.reference.layer_norm(x[-2:])
+    assert check.rel_l2(tail, ref) < 8e-3
+    del x, y
+
+
+def test_zero_rows_give_empty_outputs():
+    import cupy
+
+    x = cupy.empty((0, 1024), dtype=np.float32)
+    w = cupy.ones(1024, dtype=np.float32)
+    y, mean, rstd = cunorm.layer_norm(x, w, w, return_stats=True)
+    assert y.shape == (0, 1024) and mean.shape == (0,)
+    dx, dw, db = cunorm.layer_norm_backward(x, x, mean, rstd, w)
+    assert dx.shape == (0, 1024) and float(abs(dw).sum()) == 0 and float(abs(db).sum()) == 0
+
+
+def test_dlpack_input_is_zero_copy(rng):
+    torch = pytest.importorskip("torch")
+    t = torch.randn(64, 4096, device="cuda", dtype=torch.bfloat16)
+    y = cunorm.layer_norm(t)
+    import cupy
+
+    assert isinstance(y, cupy.ndarray)
+    ref = torch.nn.functional.layer_norm(t.double(), (4096,))
+    assert check.rel_l2(y, cupy.from_dlpack(ref)) < 8e-3
+
+
+def test_runs_on_current_stream(rng):
+    import cupy
+
+    x = cupy.asarray(rng.standard_normal((512, 4096)).astype(np.float32))
+    s = cupy.cuda.Stream(non_blocking=True)
+    with s:
+        y = cunorm.layer_norm(x)
+        s.synchronize()
+    assert check.rel_l2(y, cunorm.reference.layer_norm(x)[0]) < 1e-5
+
+
+def test_forced_traits(rng):
+    import cupy
+
+    x = cupy.asarray(rng.standard_normal((100, 4096)).astype(dtypes.BFLOAT16))
+    ref = cunorm.reference.layer_norm(x)[0]
+    for knobs in ({"warps_n": 2}, {"warps_n": 1, "warps_m": 4}, {"warps_n": 4, "ctas_per_row": 2},
+                  {"warps_n": 8, "bytes_per_ldg": 8}):
+        assert check.rel_l2(cunorm.layer_norm(x, traits=knobs), ref) < 8e-3
+    t = cunorm.Traits(hidden_size=4096, input_dtype="bfloat16", output_dtype="bfloat16", warps_n=4,
+                      has_weight=False, has_bias=False)
+    assert check.rel_l2(cunorm.layer_norm(x, traits=t), ref) < 8e-3
+    with pytest.raises(ValueError, match="traits: hidden_size"):
+        cunorm.layer_norm(x, traits=t.replace(hidden_size=2048))
+    with pytest.raises(ValueError, match="illegal traits"):
+        cunorm.layer_norm(x, traits={"warps_n": 64})
+
+
+def test_gpu_bad_inputs():
+    import cupy
+
+    x = cupy.ones((4, 1024), dtype=np.float32)
+    with pytest.raises(ValueError, match="x: must be C-contiguous"):
+        cunorm.layer_norm(x[:, ::2].copy().T)
+    with pytest.raises(ValueError, match="multiple of 8"):
+        cunorm.layer_norm(cupy.ones((4, 1001), dtype=np.float32))
+    with pytest.raises(TypeError, match="weight: is a numpy array"):
+        cunorm.layer_norm(x, np.ones(1024, np.float32))
+    with pytest.raises(ValueError, match="weight: shape"):
+        cunorm.layer_norm(x, cupy.ones(1000, np.float32))
+    with pytest.raises(TypeError, match="weight: dtype float16"):
+        cunorm.layer_norm(x, cupy.ones(1024, np.float16))
+    with pytest.raises(TypeError, match="x: dtype float64"):
+        cunorm.layer_norm(x.astype(np.float64))
+    with pytest.raises(ValueError, match="dy: shape"):
+        cunorm.layer_norm_backward(x[:2], x, cupy.ones(4, np.float32), cupy.ones(4, np.float32))
+    with pytest.raises(ValueError, match="mean: shape"):
+        cunorm.layer_norm_backward(x, x, cupy.ones(3, np.float32), cupy.ones(4, np.float32))
+    with pytest.raises(TypeError, match="rstd: dtype"):
+        cunorm.layer_norm_backward(x, x, cupy.ones(4, np.float32), cupy.ones(4, np.float16))
+    with pytest.raises(ValueError, match="x: data pointer"):
+        cunorm.layer_norm(cupy.ones(4 * 1024 + 1, np.float32)[1:].reshape(4, 1024))
+    if cupy.cuda.runtime.getDeviceCount() > 1:
+        with cupy.cuda.Device(1):
+            w1 = cupy.ones(1024, np.float32)
+        with pytest.raises(ValueError, match="weight: is on GPU 1"):
+            cunorm.layer_norm(x, w1)

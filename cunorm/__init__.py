@@ -5,7 +5,7 @@ Importing cunorm makes no CUDA call; kernels compile on first use.
 from . import reference
 from .compiler import CompileError, compile_only
 from .layer_norm import layer_norm, layer_norm_backward
-from .render import render
+from .source import render
 from .traits import Traits
 
 __version__ = "0.1.0"

@@ -94,7 +94,8 @@ def check(sizes, rows, dtype_names, ops, seed, compile_only, arch, as_json):
 
 
 def _variants(sizes, dtype_names, op_names, arch):
-    """(traits, source) of every dispatch entry the checker would run."""
+    """(traits, source) of every dispatch entry the checker would run; a
+    ValueError stands in for an entry with no legal traits on `arch`."""
     from .check import HEURISTIC_SAMPLE
 
     sizes = tuple(sizes) if sizes else dispatch.TUNED_SIZES + HEURISTIC_SAMPLE
@@ -102,7 +103,10 @@ def _variants(sizes, dtype_names, op_names, arch):
         for n in sizes:
             for dt in dtype_names:
                 for wdt in dict.fromkeys((dt, "float32")):
-                    yield dispatch.choose(n, dt, wdt, dt, backward=op == "layer_norm_backward", arch=arch)
+                    try:
+                        yield dispatch.choose(n, dt, wdt, dt, backward=op == "layer_norm_backward", arch=arch)
+                    except ValueError as e:
+                        yield e, "unsupported"
 
 
 def _compile_only(sizes, dtype_names, op_names, arch, as_json) -> int:
@@ -112,6 +116,9 @@ def _compile_only(sizes, dtype_names, op_names, arch, as_json) -> int:
     variants = list(_variants(sizes, dtype_names, op_names, arch))
     with click.progressbar(variants, label=f"compiling for sm_{arch}", file=sys.stderr) as bar:
         for traits, source in bar:
+            if isinstance(traits, ValueError):  # reported, not a failure: the dispatch refuses it clearly
+                rows.append({"source": source, "error": str(traits), "ok": True})
+                continue
             try:
                 report = compile_only(traits, arch)
             except (CompileError, ValueError) as e:
@@ -127,6 +134,9 @@ def _compile_only(sizes, dtype_names, op_names, arch, as_json) -> int:
     else:
         click.echo(f"{'variant':<72} {'kernel':<24} {'regs':>4} {'stack':>5} {'spill':>5}  result")
         for r in rows:
+            if r["source"] == "unsupported":
+                click.echo(f"unsupported on sm_{arch}: {r['error']}")
+                continue
             t = r["traits"]
             label = (f"{'bwd' if t['backward'] else 'fwd'} N={t['hidden_size']} {t['input_dtype']}/{t['weight_dtype']}"
                      f" {t['warps_m']}x{t['warps_n']}x{t['ctas_per_row']} {t['bytes_per_ldg']}B ({r['source']})")
@@ -148,7 +158,7 @@ def info(as_json):
     import platform
 
     from . import __version__
-    from .render import kernel_dir
+    from .source import kernel_dir
 
     out = {"cunorm": __version__, "python": platform.python_version(), "numpy": np.__version__,
            "kernels": str(kernel_dir())}
@@ -193,15 +203,23 @@ def list_(arch, as_json):
     for n in dispatch.TUNED_SIZES:
         for dt in dtypes.NAMES:
             for backward in (False, True):
-                t, source = dispatch.choose(n, dt, dt, dt, backward=backward, arch=arch)
-                rows.append({"hidden_size": n, "dtype": dt, "op": "bwd" if backward else "fwd", "source": source,
-                             **t.knobs(), "ldgs": t.ldgs, "threads_per_cta": t.threads_per_cta})
+                row = {"hidden_size": n, "dtype": dt, "op": "bwd" if backward else "fwd"}
+                try:
+                    t, source = dispatch.choose(n, dt, dt, dt, backward=backward, arch=arch)
+                except ValueError as e:
+                    rows.append({**row, "source": "unsupported", "error": str(e)})
+                    continue
+                rows.append({**row, "source": source, **t.knobs(), "ldgs": t.ldgs,
+                             "threads_per_cta": t.threads_per_cta})
     if as_json:
         click.echo(json.dumps(rows, indent=1))
         return
     click.echo(f"{'N':>6} {'dtype':<9} {'op':<3} {'WARPS_M':>7} {'WARPS_N':>7} {'CTAS/ROW':>8} {'B/LDG':>5} "
                f"{'LDGS':>4} {'threads':>7}  source")
     for r in rows:
+        if r["source"] == "unsupported":
+            click.echo(f"{r['hidden_size']:>6} {r['dtype']:<9} {r['op']:<3} unsupported: {r['error']}")
+            continue
         click.echo(f"{r['hidden_size']:>6} {r['dtype']:<9} {r['op']:<3} {r['warps_m']:>7} {r['warps_n']:>7} "
                    f"{r['ctas_per_row']:>8} {r['bytes_per_ldg']:>5} {r['ldgs']:>4} {r['threads_per_cta']:>7}  "
                    f"{r['source']}")

@@ -12,7 +12,7 @@ import re
 import threading
 from dataclasses import dataclass, field
 
-from .render import render
+from .source import render
 
 NVRTC_OPTIONS = ("-std=c++17",)
 
@@ -89,11 +89,12 @@ class Kernel:
 
     function: object  # cupy.RawKernel
     threads: int
-    blocks_per_sm: int  # occupancy at `threads` threads per CTA
+    smem: int  # dynamic shared memory bytes per CTA
+    blocks_per_sm: int  # occupancy at `threads` threads and `smem` bytes per CTA
     sm_count: int
 
     def __call__(self, grid: int, args: tuple):
-        self.function((grid,), (self.threads,), args)
+        self.function((grid,), (self.threads,), args, shared_mem=self.smem)
 
 
 _cache: dict = {}
@@ -132,16 +133,18 @@ def _load(traits, device_id: int) -> dict:
         module = cupy.RawModule(code=render(traits), options=NVRTC_OPTIONS)
         sm_count = dev.attributes["MultiProcessorCount"]
         out = {}
-        for name, threads in traits.launch_threads().items():
+        for name, (threads, smem) in traits.launches().items():
             try:
                 fn = module.get_function(name)
             except cupy.cuda.compiler.CompileException as e:
                 raise CompileError(f"{traits.short()} failed to compile: {e}") from None
-            out[name] = Kernel(fn, threads, _blocks_per_sm(fn, threads), sm_count)
+            if smem > 48 * 1024:  # above 48 KB, dynamic shared memory must be asked for
+                fn.max_dynamic_shared_size_bytes = smem
+            out[name] = Kernel(fn, threads, smem, _blocks_per_sm(fn, threads, smem), sm_count)
     return out
 
 
-def _blocks_per_sm(fn, threads: int) -> int:
+def _blocks_per_sm(fn, threads: int, smem: int) -> int:
     from cupy_backends.cuda.api import driver
 
-    return max(1, driver.occupancyMaxActiveBlocksPerMultiprocessor(fn.kernel.ptr, threads, 0))
+    return max(1, driver.occupancyMaxActiveBlocksPerMultiprocessor(fn.kernel.ptr, threads, smem))

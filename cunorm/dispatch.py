@@ -10,13 +10,13 @@ from __future__ import annotations
 import math
 
 from . import dtypes
-from .traits import CLUSTER_MIN_ARCH, Traits
+from .traits import CLUSTER_MIN_ARCH, KNOBS, Traits
 
 # Hidden sizes with tuned entries (both directions, every input dtype).
 TUNED_SIZES = (768, 1024, 1536, 2048, 2304, 3072, 3840, 4096, 5120, 6144, 8192, 10240, 12288, 12800, 14336,
                15360, 16384, 18432, 20480, 24576, 25600, 30720, 32768, 40960, 49152, 65536)
 
-# (backward, hidden size, input element bytes) -> (WARPS_M, WARPS_N, CTAS_PER_ROW, BYTES_PER_LDG)
+# (backward, hidden size, input element bytes) -> (WARPS_M, WARPS_N, CTAS_PER_ROW, BYTES_PER_LDG, CACHE_WEIGHTS, MIN_CTAS_PER_SM)
 TUNED: dict = {
 }
 
@@ -40,9 +40,8 @@ def choose(hidden_size: int, input_dtype: str, weight_dtype: str, output_dtype: 
                 output_dtype=output_dtype, has_weight=has_weight, has_bias=has_bias, backward=backward)
     knobs = tuned_knobs(backward, hidden_size, input_dtype)
     if knobs is not None:
-        wm, wn, ctas, bpl = knobs
-        if ctas == 1 or arch >= CLUSTER_MIN_ARCH:
-            return Traits(**base, warps_m=wm, warps_n=wn, ctas_per_row=ctas, bytes_per_ldg=bpl), "tuned"
+        if knobs[2] == 1 or arch >= CLUSTER_MIN_ARCH:
+            return Traits(**base, **dict(zip(KNOBS, knobs))), "tuned"
     return heuristic(arch=arch, **base), "heuristic"
 
 
@@ -57,7 +56,9 @@ def heuristic(*, hidden_size: int, input_dtype: str, backward: bool = False, arc
     ctas_options = (1, 2, 4, 8) if arch >= CLUSTER_MIN_ARCH else (1,)
     best, best_cost = None, math.inf
     for ctas in ctas_options:
-        for warps_n in range(1, MAX_HEURISTIC_WARPS_N[backward] + 1):
+        # Without clusters, a row must fit one CTA of up to 32 warps.
+        max_warps_n = MAX_HEURISTIC_WARPS_N[backward] if arch >= CLUSTER_MIN_ARCH else 32
+        for warps_n in range(1, max_warps_n + 1):
             try:
                 t = Traits(hidden_size=hidden_size, input_dtype=input_dtype, backward=backward, warps_n=warps_n,
                            ctas_per_row=ctas, bytes_per_ldg=bytes_per_ldg, **rest)
@@ -72,8 +73,12 @@ def heuristic(*, hidden_size: int, input_dtype: str, backward: bool = False, arc
             if cost < best_cost:
                 best, best_cost = t, cost
     if best is None:
-        raise ValueError(f"no legal traits for hidden size {hidden_size} ({input_dtype}, "
-                         f"{'backward' if backward else 'forward'}) on sm_{arch}")
+        raise ValueError(f"x: hidden size {hidden_size} ({input_dtype}, {'backward' if backward else 'forward'}) "
+                         f"does not fit the register-resident kernel on sm_{arch} (at most 8 CTAs of a "
+                         f"cluster on sm_90, one CTA before it)")
+    # Wide CTAs get few registers per thread: there, weights are re-read instead of held.
+    if best.threads_per_cta > 256:
+        best = best.replace(cache_weights=False)
     if best.ctas_per_row == 1:
         warps_m = max(1, MIN_THREADS_PER_CTA // best.threads_per_row)
         while warps_m > 1:

@@ -9,10 +9,9 @@ import numpy as np
 
 from . import arrays, dispatch, dtypes, reference
 from .compiler import device_arch, kernels_for
-from .traits import Traits
+from .traits import KNOBS, Traits
 
 WEIGHT_DTYPES_NOTE = "the input dtype or float32"
-_MAX_GRID = 2**31 - 1
 
 
 def _weight_dtype(x_dtype: str, args: dict, names: tuple) -> str:
@@ -77,10 +76,9 @@ def _resolve(traits, base: dict, device_id: int):
                 raise ValueError(f"traits: {field}={have!r} does not match this call ({want!r})")
         return _plan(key, device_id, tuple(sorted(traits.knobs().items())))
     if isinstance(traits, Mapping):
-        unknown = set(traits) - set(Traits(hidden_size=1).knobs())
+        unknown = set(traits) - set(KNOBS)
         if unknown:
-            raise ValueError(f"traits: unknown knobs {sorted(unknown)}; expected some of "
-                             f"{sorted(Traits(hidden_size=1).knobs())}")
+            raise ValueError(f"traits: unknown knobs {sorted(unknown)}; expected some of {list(KNOBS)}")
         return _plan(key, device_id, tuple(sorted(traits.items())))
     raise TypeError(f"traits: expected a cunorm.Traits or a mapping of knobs, got {type(traits).__name__}")
 
@@ -99,11 +97,11 @@ def _gpu_requirements(traits: Traits, args: dict):
         arrays.check_aligned(a, min(16, traits.elts_per_ldg * a.array.itemsize))
 
 
-def _grid_groups(kernel, traits: Traits, rows: int, persistent: bool) -> int:
+def _grid_groups(kernel, traits: Traits, rows: int) -> int:
+    """Row groups in a persistent grid: one wave of CTAs, each walking many
+    rows (prefetching the next while reducing the current one)."""
     groups = -(-rows // traits.rows_per_cta)
-    if persistent:  # one wave: each CTA keeps its column sums for the whole run
-        groups = min(groups, max(1, kernel.sm_count * kernel.blocks_per_sm // traits.ctas_per_row))
-    return min(groups, _MAX_GRID // traits.ctas_per_row)
+    return min(groups, max(1, kernel.sm_count * kernel.blocks_per_sm // traits.ctas_per_row))
 
 
 def _null():
@@ -158,7 +156,7 @@ def layer_norm(x, weight=None, bias=None, eps=1e-5, *, return_stats=False, out_d
         rstd = cupy.empty(lead, dtype=np.float32) if return_stats else None
         if rows:
             k = kernels["layer_norm_fwd"]
-            grid = _grid_groups(k, t, rows, persistent=False) * t.ctas_per_row
+            grid = _grid_groups(k, t, rows) * t.ctas_per_row
             k(grid, (X.array, _ptr(_arr(W)), _ptr(_arr(B)), y, _ptr(mean), _ptr(rstd),
                      np.int64(rows), np.int64(n), np.int64(n), np.float32(eps)))
     return (y, mean, rstd) if return_stats else y
@@ -212,7 +210,7 @@ def layer_norm_backward(dy, x, mean, rstd, weight=None, *, has_bias=True, traits
                     a.fill(0)
             return dx, dweight, dbias
         k = kernels["layer_norm_bwd"]
-        parts = _grid_groups(k, t, rows, persistent=True)
+        parts = _grid_groups(k, t, rows)
         partials = cupy.empty((2, parts, n), dtype=np.float32) if (t.has_weight or t.has_bias) else None
         dgamma_part, dbeta_part = (None, None) if partials is None else (partials[0], partials[1])
         k(parts * t.ctas_per_row,

@@ -18,8 +18,12 @@ MAX_THREADS_PER_CTA = 1024
 # Elements of a row one thread holds in registers. Above these, the compiler
 # spills (checked by the compile tier of the tests).
 MAX_ELTS_PER_THREAD = {False: 64, True: 32}  # keyed by `backward`
-STATIC_SMEM_LIMIT = 48 * 1024
+SMEM_LIMIT = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}  # per CTA, by arch
+DEFAULT_SMEM_LIMIT = 99 * 1024
 CLUSTER_MIN_ARCH = 90
+# The independent launch-shape knobs (what tuning varies and `traits=` may force).
+KNOBS = ("warps_m", "warps_n", "ctas_per_row", "bytes_per_ldg", "cache_weights", "min_ctas_per_sm",
+         "smem_accumulators")
 # Warps of the backward's finalize kernel (each sums a slice of the partial rows).
 FINALIZE_WARPS = 16
 
@@ -34,6 +38,12 @@ class Traits:
     warps_m: rows per CTA (one warp-row each); warps_n: warps across a row;
     ctas_per_row: CTAs sharing a row (a thread-block cluster, sm_90+);
     bytes_per_ldg: bytes one thread moves per vector load of x.
+    cache_weights: hold gamma/beta in registers for the whole kernel (True) or
+      re-read them where used, from L1/L2 (False; frees registers for wide rows).
+    min_ctas_per_sm: __launch_bounds__'s second argument: caps registers so that
+      this many CTAs fit on an SM (the compiler recomputes instead of holding).
+    smem_accumulators: (backward) keep the per-column dgamma/dbeta sums in shared
+      memory instead of registers (frees two registers per element).
     has_weight / has_bias: whether gamma / beta are present.
     backward: the backward kernel (dx, dgamma, dbeta) rather than the forward.
     """
@@ -47,6 +57,9 @@ class Traits:
     warps_n: int = 1
     ctas_per_row: int = 1
     bytes_per_ldg: int = 16
+    cache_weights: bool = True
+    min_ctas_per_sm: int = 1
+    smem_accumulators: bool = False
     has_weight: bool = True
     has_bias: bool = True
     backward: bool = False
@@ -95,20 +108,25 @@ class Traits:
 
     @property
     def smem_bytes(self) -> int:
-        """Shared memory for folding WARPS_M rows of dgamma/dbeta partials (backward)."""
-        return self.warps_m * self.hidden_size * 4 if self.backward and self.warps_m > 1 else 0
+        """Dynamic shared memory of the backward: its column-sum slots
+        [2][WARPS_M][LDGS][THREADS_PER_ROW] fp32 vectors, when the sums live there
+        or WARPS_M rows must be folded."""
+        if not self.backward or not (self.smem_accumulators or self.warps_m > 1):
+            return 0
+        return 2 * self.warps_m * self.ldgs * self.threads_per_row * self.elts_per_ldg * 4
 
     @property
     def source_file(self) -> str:
         """The kernels/ file these traits render."""
         return "layer_norm_bwd.cu" if self.backward else "layer_norm_fwd.cu"
 
-    def launch_threads(self) -> dict:
-        """{kernel name: threads per CTA} for the extern "C" kernels of source_file."""
+    def launches(self) -> dict:
+        """{kernel name: (threads per CTA, dynamic shared memory bytes)} for the
+        extern "C" kernels of source_file."""
         if self.backward:
-            return {"layer_norm_bwd": self.threads_per_cta,
-                    "layer_norm_bwd_finalize": FINALIZE_WARPS * THREADS_PER_WARP}
-        return {"layer_norm_fwd": self.threads_per_cta}
+            return {"layer_norm_bwd": (self.threads_per_cta, self.smem_bytes),
+                    "layer_norm_bwd_finalize": (FINALIZE_WARPS * THREADS_PER_WARP, 0)}
+        return {"layer_norm_fwd": (self.threads_per_cta, 0)}
 
     @property
     def uses_cluster(self) -> bool:
@@ -131,18 +149,23 @@ class Traits:
              f"hidden size must be a multiple of the elements per load ({self.elts_per_ldg})")
         rule(self.ctas_per_row in (1, 2, 4, 8), "CTAS_PER_ROW must be 1, 2, 4 or 8 (a portable cluster)")
         rule(self.ctas_per_row == 1 or self.warps_m == 1, "several CTAs per row need WARPS_M == 1")
-        rule((self.ldgs - 1) * self.vec_cols_per_ldg < self.vec_cols, "the last LDG step of a row must not be empty")
         rule(self.elts_per_thread <= MAX_ELTS_PER_THREAD[self.backward],
              f"{self.elts_per_thread} elements per thread exceed the register budget of "
              f"{MAX_ELTS_PER_THREAD[self.backward]} ({'backward' if self.backward else 'forward'})")
-        rule(self.smem_bytes <= STATIC_SMEM_LIMIT,
-             "WARPS_M * hidden size * 4 must fit in 48 KB of shared memory (backward)")
+        rule(1 <= self.min_ctas_per_sm and self.min_ctas_per_sm * self.threads_per_cta <= 2048,
+             "MIN_CTAS_PER_SM must be >= 1 and fit 2048 threads per SM")
+        rule(self.smem_bytes <= SMEM_LIMIT[90], f"{self.smem_bytes} bytes of shared memory exceed 227 KB")
+        rule(self.backward or not self.smem_accumulators, "smem_accumulators is a backward knob")
 
     def check_arch(self, arch: int):
         """Rules that depend on the GPU: clusters need sm_90 or newer."""
         if self.uses_cluster and arch < CLUSTER_MIN_ARCH:
             raise ValueError(f"illegal traits {self.short()}: CTAS_PER_ROW > 1 needs thread-block clusters "
                              f"(sm_{CLUSTER_MIN_ARCH} or newer), not sm_{arch}")
+        limit = SMEM_LIMIT.get(arch, DEFAULT_SMEM_LIMIT)
+        if self.smem_bytes > limit:
+            raise ValueError(f"illegal traits {self.short()}: {self.smem_bytes} bytes of shared memory exceed "
+                             f"sm_{arch}'s {limit}")
 
     # -- presentation -------------------------------------------------------
     def replace(self, **changes) -> "Traits":
@@ -151,11 +174,11 @@ class Traits:
     def short(self) -> str:
         return (f"N={self.hidden_size} {self.input_dtype}/{self.weight_dtype}->{self.output_dtype} "
                 f"WARPS_M={self.warps_m} WARPS_N={self.warps_n} CTAS_PER_ROW={self.ctas_per_row} "
-                f"BYTES_PER_LDG={self.bytes_per_ldg}")
+                f"BYTES_PER_LDG={self.bytes_per_ldg} CACHE_WEIGHTS={int(self.cache_weights)} "
+                f"MIN_CTAS_PER_SM={self.min_ctas_per_sm}" + (" SMEM_ACCUMULATORS=1" if self.smem_accumulators else ""))
 
     def knobs(self) -> dict:
-        return {"warps_m": self.warps_m, "warps_n": self.warps_n, "ctas_per_row": self.ctas_per_row,
-                "bytes_per_ldg": self.bytes_per_ldg}
+        return {k: getattr(self, k) for k in KNOBS}
 
     def as_dict(self) -> dict:
         d = dataclasses.asdict(self)
@@ -177,8 +200,12 @@ class Traits:
             "BYTES_PER_LDG": self.bytes_per_ldg,
             "HAS_WEIGHT": "true" if self.has_weight else "false",
             "HAS_BIAS": "true" if self.has_bias else "false",
+            "CACHE_WEIGHTS": "true" if self.cache_weights else "false",
+            "MIN_CTAS_PER_SM": self.min_ctas_per_sm,
+            "SMEM_ACCUMULATORS": "true" if self.smem_accumulators else "false",
             "LDGS": self.ldgs,
             "THREADS_PER_CTA": self.threads_per_cta,
+            "ELTS_PER_THREAD": self.elts_per_thread,
             "SMEM_BYTES": self.smem_bytes,
             "FINALIZE_WARPS": FINALIZE_WARPS,
         }

@@ -40,6 +40,33 @@ template <> struct RawChunk<4> { using type = unsigned int; };
 template <> struct RawChunk<8> { using type = uint2; };
 template <> struct RawChunk<16> { using type = uint4; };
 
+// Element i of a packed array of 32-bit words, as fp32, and back. 16-bit
+// elements stay two to a register: an array of 16-bit values would take a
+// whole register per element.
+template <typename T> struct Packed;
+template <> struct Packed<float> {
+  static __device__ __forceinline__ float get(const unsigned* w, int i) { return __uint_as_float(w[i]); }
+  static __device__ __forceinline__ void set(unsigned* w, int i, float v) { w[i] = __float_as_uint(v); }
+};
+template <> struct Packed<cn_bf16> {
+  static __device__ __forceinline__ float get(const unsigned* w, int i) {
+    return __uint_as_float(i % 2 ? w[i / 2] & 0xffff0000u : w[i / 2] << 16);
+  }
+  static __device__ __forceinline__ void set(unsigned* w, int i, float v) {
+    const unsigned bits = from_float<cn_bf16>(v).bits;
+    w[i / 2] = i % 2 ? (w[i / 2] & 0xffffu) | (bits << 16) : (w[i / 2] & 0xffff0000u) | bits;
+  }
+};
+template <> struct Packed<cn_half> {
+  static __device__ __forceinline__ float get(const unsigned* w, int i) {
+    return to_float(cn_half{static_cast<unsigned short>(i % 2 ? w[i / 2] >> 16 : w[i / 2] & 0xffffu)});
+  }
+  static __device__ __forceinline__ void set(unsigned* w, int i, float v) {
+    const unsigned bits = from_float<cn_half>(v).bits;
+    w[i / 2] = i % 2 ? (w[i / 2] & 0xffffu) | (bits << 16) : (w[i / 2] & 0xffff0000u) | bits;
+  }
+};
+
 // N consecutive elements moved as 16-byte (or narrower) accesses. A vector
 // wider than 16 bytes (e.g. 8 fp32 weights beside 8 bf16 inputs) becomes
 // several 16-byte accesses.
@@ -48,10 +75,11 @@ struct Vec {
   static constexpr int BYTES = int(sizeof(T)) * N;
   static constexpr int CHUNK_BYTES = BYTES < 16 ? BYTES : 16;
   static constexpr int CHUNKS = BYTES / CHUNK_BYTES;
+  static constexpr int WORDS = BYTES < 4 ? 1 : BYTES / 4;
   using chunk_t = typename RawChunk<CHUNK_BYTES>::type;
   union {
-    T elt[N];
     chunk_t raw[CHUNKS];
+    unsigned words[WORDS];  // a lone 16-bit element sits in the low half
   };
 
   // Loads vector number `vec` of a row that starts at `row`.
@@ -67,10 +95,18 @@ struct Vec {
   }
   __device__ __forceinline__ void zero() {
 #pragma unroll
-    for (int c = 0; c < CHUNKS; ++c) raw[c] = chunk_t();
+    for (int i = 0; i < WORDS; ++i) words[i] = 0u;
   }
-  __device__ __forceinline__ float get(int i) const { return to_float(elt[i]); }
-  __device__ __forceinline__ void set(int i, float v) { elt[i] = from_float<T>(v); }
+  // Hides the register contents from the optimizer, so values derived from
+  // them before this point are recomputed after it instead of being kept
+  // live (fp32 copies of packed 16-bit data cost registers).
+  __device__ __forceinline__ void opaque() {
+#pragma unroll
+    for (int i = 0; i < WORDS; ++i) asm volatile("" : "+r"(words[i]));
+  }
+  __device__ __forceinline__ float get(int i) const { return Packed<T>::get(words, i); }
+  __device__ __forceinline__ void set(int i, float v) { Packed<T>::set(words, i, v); }
+  __device__ __forceinline__ void add(int i, float v) { set(i, get(i) + v); }
 };
 
 __device__ __forceinline__ float warp_sum(float v) {

@@ -5,17 +5,70 @@
 //   dx = rstd * (g - mean(g) - xhat * mean(g * xhat))
 //   dgamma = sum_rows(dy * xhat),  dbeta = sum_rows(dy)
 // The grid is persistent (one wave): each CTA walks its rows, keeps its column
-// sums in registers, and writes one partial row. Nothing is atomic, and every
-// sum runs in a fixed order, so the results are bitwise reproducible.
+// sums (in registers, or in shared memory with SMEM_ACCUMULATORS), and writes
+// one partial row. Nothing is atomic, and every sum runs in a fixed order, so
+// the results are bitwise reproducible.
 #include "cunorm_common.cuh"
 #include "norm_traits.cuh"
 
-// Shared memory for folding the WARPS_M rows of partials of a CTA into one.
-constexpr int WGRAD_SMEM_FLOATS = WARPS_M > 1 ? WARPS_M * COLS : 1;
-static_assert(WGRAD_SMEM_FLOATS * 4 <= 48 * 1024, "WARPS_M * hidden size * 4 must fit in 48 KB of shared memory");
-static_assert(${SMEM_BYTES} == (WARPS_M > 1 ? WARPS_M * COLS * 4 : 0), "cunorm.Traits.smem_bytes disagrees");
+constexpr bool SMEM_ACCUMULATORS = ${SMEM_ACCUMULATORS};
+using AccVec = Vec<float, ELTS_PER_LDG>;
+// Column-sum slots of a CTA in shared memory: [2 (dgamma, dbeta)][WARPS_M][LDGS][THREADS_PER_ROW]
+// vectors. Used by the accumulators themselves, or (in registers) to fold WARPS_M rows into one.
+constexpr int ACC_SLOTS = WARPS_M * LDGS * THREADS_PER_ROW;
+constexpr int SMEM_BYTES = (SMEM_ACCUMULATORS || WARPS_M > 1) ? 2 * ACC_SLOTS * int(sizeof(AccVec)) : 0;
+static_assert(SMEM_BYTES == ${SMEM_BYTES}, "cunorm.Traits.smem_bytes disagrees with the kernel");
 
-extern "C" __global__ void __launch_bounds__(THREADS_PER_CTA) CN_CLUSTER_DIMS
+// This thread's column sums for one quantity.
+template <bool IN_SMEM>
+struct ColumnSums {
+  AccVec reg[IN_SMEM ? 1 : LDGS];
+  AccVec* slots;  // this thread's first slot in shared memory (stride THREADS_PER_ROW)
+
+  __device__ __forceinline__ ColumnSums(AccVec* smem, const Coords& at)
+      : slots(smem + (at.warp_m * LDGS) * THREADS_PER_ROW + at.warp_n * THREADS_PER_WARP + at.lane) {
+#pragma unroll
+    for (int it = 0; it < LDGS; ++it) {
+      AccVec z;
+      z.zero();
+      put(it, z);
+    }
+  }
+  __device__ __forceinline__ AccVec get(int it) const {
+    if constexpr (IN_SMEM) return slots[it * THREADS_PER_ROW];
+    else return reg[it];
+  }
+  __device__ __forceinline__ void put(int it, const AccVec& v) {
+    if constexpr (IN_SMEM) slots[it * THREADS_PER_ROW] = v;
+    else reg[it] = v;
+  }
+  // Registers to their shared-memory slots (before a fold).
+  __device__ __forceinline__ void spill_to_slots() {
+    if constexpr (!IN_SMEM) {
+#pragma unroll
+      for (int it = 0; it < LDGS; ++it) slots[it * THREADS_PER_ROW] = reg[it];
+    }
+  }
+};
+
+// Sums the WARPS_M rows of a quantity's slots, in warp order, into the partial row.
+__device__ __forceinline__ void fold_slots(const AccVec* slots, float* part, const Coords& at) {
+  for (int s = threadIdx.x; s < LDGS * THREADS_PER_ROW; s += THREADS_PER_CTA) {
+    const int it = s / THREADS_PER_ROW, tr = s % THREADS_PER_ROW;
+    const int vec = at.cta_rank * THREADS_PER_ROW + tr + it * VEC_COLS_PER_LDG;
+    if (vec >= VEC_COLS) continue;
+    AccVec sum = slots[s];
+#pragma unroll
+    for (int m = 1; m < WARPS_M; ++m) {
+      const AccVec v = slots[m * LDGS * THREADS_PER_ROW + s];
+#pragma unroll
+      for (int e = 0; e < ELTS_PER_LDG; ++e) sum.add(e, v.get(e));
+    }
+    sum.store(part, vec);
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS_PER_CTA, MIN_CTAS_PER_SM) CN_CLUSTER_DIMS
 layer_norm_bwd(const output_t* __restrict__ dy, const input_t* __restrict__ x,
                const float* __restrict__ mean, const float* __restrict__ rstd,
                const weight_t* __restrict__ gamma, input_t* __restrict__ dx,
@@ -24,54 +77,64 @@ layer_norm_bwd(const output_t* __restrict__ dy, const input_t* __restrict__ x,
   using InVec = Vec<input_t, ELTS_PER_LDG>;
   using GradVec = Vec<output_t, ELTS_PER_LDG>;
   using WVec = Vec<weight_t, ELTS_PER_LDG>;
-  using AccVec = Vec<float, ELTS_PER_LDG>;
+  extern __shared__ AccVec acc_smem[];
   const Coords at;
   CN_ROW_REDUCER(2, reducer);
 
-  WVec w[LDGS];
-  AccVec dgamma_acc[LDGS], dbeta_acc[LDGS];
-#pragma unroll
-  for (int it = 0; it < LDGS; ++it) {
-    if (HAS_WEIGHT && at.in_row(it)) w[it].load(gamma, at.vec(it));
-#pragma unroll
-    for (int e = 0; e < ELTS_PER_LDG; ++e) dgamma_acc[it].elt[e] = dbeta_acc[it].elt[e] = 0.f;
-  }
+  const RowWeights<weight_t, HAS_WEIGHT> w(gamma, at);
+  ColumnSums<SMEM_ACCUMULATORS> dgamma_acc(acc_smem, at), dbeta_acc(acc_smem + ACC_SLOTS, at);
 
   constexpr float inv_cols = 1.f / float(COLS);
-  for (long long first = at.group * ROWS_PER_CTA; first < rows; first += at.groups * ROWS_PER_CTA) {
+  // Rows past the end (and columns past the row) load as zeros: g = 0 there,
+  // so they add nothing to the row sums or the column sums. The next row is
+  // loaded before this row's reduction (see layer_norm_fwd.cu).
+  const long long stride = at.groups * ROWS_PER_CTA;
+  InVec next_x[LDGS];
+  GradVec next_dy[LDGS];
+  load_row(next_x, x, at.group * ROWS_PER_CTA + at.warp_m, ldx, rows, at);
+  load_row(next_dy, dy, at.group * ROWS_PER_CTA + at.warp_m, lddy, rows, at);
+  for (long long first = at.group * ROWS_PER_CTA; first < rows; first += stride) {
     const long long row = first + at.warp_m;
     const bool row_ok = row < rows;
-
-    // Rows past the end (and columns past the row) are zeros: g = 0 there, so
-    // they add nothing to the row sums or the column partials.
     InVec xv[LDGS];
     GradVec dyv[LDGS];
 #pragma unroll
     for (int it = 0; it < LDGS; ++it) {
-      if (row_ok && at.in_row(it)) {
-        xv[it].load(x + row * ldx, at.vec(it));
-        dyv[it].load(dy + row * lddy, at.vec(it));
-      } else {
-        xv[it].zero();
-        dyv[it].zero();
-      }
+      xv[it] = next_x[it];
+      dyv[it] = next_dy[it];
+    }
+    if (first + stride < rows) {
+      load_row(next_x, x, row + stride, ldx, rows, at);
+      load_row(next_dy, dy, row + stride, lddy, rows, at);
     }
     const float mu = row_ok ? mean[row] : 0.f;
     const float rs = row_ok ? rstd[row] : 0.f;
 
     float sums[2] = {0.f, 0.f};  // sum(g), sum(g * xhat)
 #pragma unroll
-    for (int it = 0; it < LDGS; ++it)
+    for (int it = 0; it < LDGS; ++it) {
+      const WVec wv = w(it, at);
+      AccVec dg = dgamma_acc.get(it), db = dbeta_acc.get(it);
 #pragma unroll
       for (int e = 0; e < ELTS_PER_LDG; ++e) {
         const float xhat = (xv[it].get(e) - mu) * rs;
         const float d = dyv[it].get(e);
-        const float g = HAS_WEIGHT ? d * w[it].get(e) : d;
+        const float g = HAS_WEIGHT ? d * wv.get(e) : d;
         sums[0] += g;
         sums[1] += g * xhat;
-        dgamma_acc[it].elt[e] += d * xhat;
-        dbeta_acc[it].elt[e] += d;
+        dg.add(e, d * xhat);
+        db.add(e, d);
       }
+      if (HAS_WEIGHT) dgamma_acc.put(it, dg);
+      if (HAS_BIAS) dbeta_acc.put(it, db);
+    }
+    // Recompute xhat and g from the packed inputs below rather than keep
+    // fp32 copies live across the reduction.
+#pragma unroll
+    for (int it = 0; it < LDGS; ++it) {
+      xv[it].opaque();
+      dyv[it].opaque();
+    }
     reducer.allreduce(sums, at);
     const float mean_g = sums[0] * inv_cols;
     const float mean_gx = sums[1] * inv_cols;
@@ -81,11 +144,12 @@ layer_norm_bwd(const output_t* __restrict__ dy, const input_t* __restrict__ x,
       for (int it = 0; it < LDGS; ++it) {
         if (!at.in_row(it)) continue;
         InVec o;
+        const WVec wv = w(it, at);
 #pragma unroll
         for (int e = 0; e < ELTS_PER_LDG; ++e) {
           const float xhat = (xv[it].get(e) - mu) * rs;
           const float d = dyv[it].get(e);
-          const float g = HAS_WEIGHT ? d * w[it].get(e) : d;
+          const float g = HAS_WEIGHT ? d * wv.get(e) : d;
           o.set(e, rs * (g - mean_g - xhat * mean_gx));
         }
         o.store(dx + row * lddx, at.vec(it));
@@ -96,32 +160,19 @@ layer_norm_bwd(const output_t* __restrict__ dy, const input_t* __restrict__ x,
   if constexpr (HAS_WEIGHT || HAS_BIAS) {
     float* gpart = dgamma_part + at.group * COLS;
     float* bpart = dbeta_part + at.group * COLS;
-    if constexpr (WARPS_M == 1) {
+    if constexpr (WARPS_M == 1 && !SMEM_ACCUMULATORS) {
 #pragma unroll
       for (int it = 0; it < LDGS; ++it) {
         if (!at.in_row(it)) continue;
-        if (HAS_WEIGHT) dgamma_acc[it].store(gpart, at.vec(it));
-        if (HAS_BIAS) dbeta_acc[it].store(bpart, at.vec(it));
+        if (HAS_WEIGHT) dgamma_acc.get(it).store(gpart, at.vec(it));
+        if (HAS_BIAS) dbeta_acc.get(it).store(bpart, at.vec(it));
       }
     } else {
-      // Fold the CTA's WARPS_M rows of partials, in warp order, through shared memory.
-      __shared__ float fold[WGRAD_SMEM_FLOATS];
-#pragma unroll
-      for (int pass = 0; pass < 2; ++pass) {
-        if ((pass == 0 && !HAS_WEIGHT) || (pass == 1 && !HAS_BIAS)) continue;
-        AccVec* acc = pass == 0 ? dgamma_acc : dbeta_acc;
-#pragma unroll
-        for (int it = 0; it < LDGS; ++it)
-          if (at.in_row(it)) acc[it].store(fold + at.warp_m * COLS, at.vec(it));
-        __syncthreads();
-        for (int c = threadIdx.x; c < COLS; c += THREADS_PER_CTA) {
-          float s = 0.f;
-#pragma unroll
-          for (int m = 0; m < WARPS_M; ++m) s += fold[m * COLS + c];
-          (pass == 0 ? gpart : bpart)[c] = s;
-        }
-        __syncthreads();
-      }
+      dgamma_acc.spill_to_slots();
+      dbeta_acc.spill_to_slots();
+      __syncthreads();
+      if (HAS_WEIGHT) fold_slots(acc_smem, gpart, at);
+      if (HAS_BIAS) fold_slots(acc_smem + ACC_SLOTS, bpart, at);
     }
   }
   finish_cluster();

@@ -6,7 +6,7 @@
 #include "cunorm_common.cuh"
 #include "norm_traits.cuh"
 
-extern "C" __global__ void __launch_bounds__(THREADS_PER_CTA) CN_CLUSTER_DIMS
+extern "C" __global__ void __launch_bounds__(THREADS_PER_CTA, MIN_CTAS_PER_SM) CN_CLUSTER_DIMS
 layer_norm_fwd(const input_t* __restrict__ x, const weight_t* __restrict__ gamma,
                const weight_t* __restrict__ beta, output_t* __restrict__ y,
                float* __restrict__ mean_out, float* __restrict__ rstd_out,  // may be null
@@ -17,26 +17,24 @@ layer_norm_fwd(const input_t* __restrict__ x, const weight_t* __restrict__ gamma
   const Coords at;
   CN_ROW_REDUCER(1, reducer);
 
-  WVec w[LDGS], b[LDGS];
-#pragma unroll
-  for (int it = 0; it < LDGS; ++it) {
-    if (HAS_WEIGHT && at.in_row(it)) w[it].load(gamma, at.vec(it));
-    if (HAS_BIAS && at.in_row(it)) b[it].load(beta, at.vec(it));
-  }
+  const RowWeights<weight_t, HAS_WEIGHT> w(gamma, at);
+  const RowWeights<weight_t, HAS_BIAS> b(beta, at);
 
   constexpr float inv_cols = 1.f / float(COLS);
-  // Every CTA runs the same number of iterations (barriers inside); rows past
-  // the end are computed on zeros and not stored.
-  for (long long first = at.group * ROWS_PER_CTA; first < rows; first += at.groups * ROWS_PER_CTA) {
+  // Persistent grid; every CTA runs the same number of iterations (barriers
+  // inside), rows past the end are computed on zeros and not stored. The next
+  // row's loads are issued before this row's reductions, so memory stays busy
+  // while the CTA waits on its barriers.
+  const long long stride = at.groups * ROWS_PER_CTA;
+  InVec next[LDGS];
+  load_row(next, x, at.group * ROWS_PER_CTA + at.warp_m, ldx, rows, at);
+  for (long long first = at.group * ROWS_PER_CTA; first < rows; first += stride) {
     const long long row = first + at.warp_m;
     const bool row_ok = row < rows;
-
     InVec v[LDGS];
 #pragma unroll
-    for (int it = 0; it < LDGS; ++it) {
-      if (row_ok && at.in_row(it)) v[it].load(x + row * ldx, at.vec(it));
-      else v[it].zero();
-    }
+    for (int it = 0; it < LDGS; ++it) v[it] = next[it];
+    if (first + stride < rows) load_row(next, x, row + stride, ldx, rows, at);
 
     float sum[1] = {0.f};
 #pragma unroll
@@ -64,11 +62,12 @@ layer_norm_fwd(const input_t* __restrict__ x, const weight_t* __restrict__ gamma
       for (int it = 0; it < LDGS; ++it) {
         if (!at.in_row(it)) continue;
         OutVec o;
+        const WVec wv = w(it, at), bv = b(it, at);
 #pragma unroll
         for (int e = 0; e < ELTS_PER_LDG; ++e) {
           float t = (v[it].get(e) - mean) * rstd;
-          if (HAS_WEIGHT) t *= w[it].get(e);
-          if (HAS_BIAS) t += b[it].get(e);
+          if (HAS_WEIGHT) t *= wv.get(e);
+          if (HAS_BIAS) t += bv.get(e);
           o.set(e, t);
         }
         o.store(y + row * ldy, at.vec(it));

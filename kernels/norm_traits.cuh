@@ -18,6 +18,8 @@ constexpr int CTAS_PER_ROW = CN_CTAS_PER_ROW;
 constexpr int BYTES_PER_LDG = ${BYTES_PER_LDG};
 constexpr bool HAS_WEIGHT = ${HAS_WEIGHT};
 constexpr bool HAS_BIAS = ${HAS_BIAS};
+constexpr bool CACHE_WEIGHTS = ${CACHE_WEIGHTS};
+constexpr int MIN_CTAS_PER_SM = ${MIN_CTAS_PER_SM};
 
 constexpr int THREADS_PER_WARP = 32;
 constexpr int THREADS_PER_ROW = WARPS_N * THREADS_PER_WARP;
@@ -41,7 +43,8 @@ static_assert(COLS % ELTS_PER_LDG == 0, "hidden size must be a multiple of the e
 static_assert(CTAS_PER_ROW == 1 || CTAS_PER_ROW == 2 || CTAS_PER_ROW == 4 || CTAS_PER_ROW == 8,
               "CTAS_PER_ROW must be 1, 2, 4 or 8 (a portable cluster)");
 static_assert(CTAS_PER_ROW == 1 || WARPS_M == 1, "several CTAs per row need WARPS_M == 1");
-static_assert((LDGS - 1) * VEC_COLS_PER_LDG < VEC_COLS, "the last LDG step of a row must not be empty");
+static_assert(MIN_CTAS_PER_SM >= 1 && MIN_CTAS_PER_SM * THREADS_PER_CTA <= 2048,
+              "MIN_CTAS_PER_SM must be >= 1 and fit 2048 threads per SM");
 
 #if CN_CTAS_PER_ROW > 1
 #define CN_CLUSTER_DIMS __cluster_dims__(CN_CTAS_PER_ROW, 1, 1)
@@ -72,6 +75,48 @@ struct Coords {
   __device__ __forceinline__ bool in_row(int it) const { return FULL_TILES || vec(it) < VEC_COLS; }
   // Whether this thread writes per-row values (mean, rstd): one per row.
   __device__ __forceinline__ bool row_leader() const { return lane == 0 && warp_n == 0 && cta_rank == 0; }
+};
+
+// Loads this thread's vectors of `row` (zeros past the last row or the row's end).
+template <typename T>
+__device__ __forceinline__ void load_row(Vec<T, ELTS_PER_LDG> (&v)[LDGS], const T* base, long long row,
+                                         long long ld, long long rows, const Coords& at) {
+  const bool row_ok = row < rows;
+#pragma unroll
+  for (int it = 0; it < LDGS; ++it) {
+    if (row_ok && at.in_row(it)) v[it].load(base + row * ld, at.vec(it));
+    else v[it].zero();
+  }
+}
+
+// gamma (or beta) at this thread's columns: held in registers for the whole
+// kernel (CACHE_WEIGHTS), or re-read where used (L1/L2 hits: every row reads
+// the same vector), which frees registers for wide rows. Columns past the row,
+// and absent weights, read as zeros: a padding lane must never hold garbage,
+// since 0 * NaN is NaN.
+template <typename T, bool PRESENT>
+struct RowWeights {
+  using V = Vec<T, ELTS_PER_LDG>;
+  const T* ptr;
+  V held[CACHE_WEIGHTS && PRESENT ? LDGS : 1];
+
+  __device__ __forceinline__ RowWeights(const T* p, const Coords& at) : ptr(p) {
+    if constexpr (CACHE_WEIGHTS && PRESENT) {
+#pragma unroll
+      for (int it = 0; it < LDGS; ++it) held[it] = fetch(it, at);
+    }
+  }
+  __device__ __forceinline__ V fetch(int it, const Coords& at) const {
+    V v;
+    if (PRESENT && at.in_row(it)) v.load(ptr, at.vec(it));
+    else v.zero();
+    return v;
+  }
+  // The vector of LDG step `it` (`it` must be a compile-time constant when cached).
+  __device__ __forceinline__ V operator()(int it, const Coords& at) const {
+    if constexpr (CACHE_WEIGHTS && PRESENT) return held[it];
+    else return fetch(it, at);
+  }
 };
 
 // Sums K values over the threads of one row (all WARPS_N warps, and all
@@ -136,4 +181,5 @@ __device__ __forceinline__ void finish_cluster() {
 
 // Python's derivation of the same traits (cunorm/traits.py) must agree.
 static_assert(LDGS == ${LDGS}, "cunorm.Traits.ldgs disagrees with the kernel");
+static_assert(ELTS_PER_THREAD == ${ELTS_PER_THREAD}, "cunorm.Traits.elts_per_thread disagrees with the kernel");
 static_assert(THREADS_PER_CTA == ${THREADS_PER_CTA}, "cunorm.Traits.threads_per_cta disagrees with the kernel");

@@ -21,6 +21,7 @@ for step in "${steps[@]}"; do
     tests) run tests python3 -m pytest -q -rs -m gpu tests -p no:cacheprovider ;;
     check) run check python3 -m cunorm.cli check ;;
     sanitize) run sanitize compute-sanitizer --tool memcheck --error-exitcode 99 python3 scripts/sanitize_sample.py ;;
+    racecheck) run racecheck compute-sanitizer --tool racecheck --error-exitcode 99 python3 scripts/sanitize_sample.py ;;
     bench) run bench python3 -m cunorm.bench --json "$OUT/bench.json" ;;
     *) echo "unknown step $step"; status=2 ;;
   esac

@@ -1,0 +1,91 @@
+"""Tier A: the numpy path (float64 reference on the CPU) and argument checks."""
+import numpy as np
+import pytest
+
+import cunorm
+from cunorm import dtypes
+
+
+def test_numpy_forward_and_backward(rng):
+    x = rng.standard_normal((2, 3, 64)).astype(np.float32) + 1
+    w = rng.standard_normal(64).astype(np.float32)
+    b = rng.standard_normal(64).astype(np.float32)
+    y, mean, rstd = cunorm.layer_norm(x, w, b, return_stats=True)
+    assert isinstance(y, np.ndarray) and y.dtype == np.float32 and mean.shape == (2, 3)
+    assert mean.dtype == np.float32 and rstd.dtype == np.float32
+    ref = (x - x.mean(-1, keepdims=True)) / np.sqrt(x.var(-1, keepdims=True) + 1e-5) * w + b
+    np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-5)
+    dy = rng.standard_normal(x.shape).astype(np.float32)
+    dx, dw, db = cunorm.layer_norm_backward(dy, x, mean, rstd, w)
+    assert dx.dtype == np.float32 and dw.shape == (64,) and db.shape == (64,)
+    np.testing.assert_allclose(db, dy.reshape(-1, 64).astype(np.float64).sum(0), rtol=1e-5)
+
+
+def test_numpy_bf16_and_out_dtype(rng):
+    x = rng.standard_normal((4, 32)).astype(dtypes.BFLOAT16)
+    y = cunorm.layer_norm(x, out_dtype="float32")
+    assert y.dtype == np.float32
+    assert cunorm.layer_norm(x).dtype == dtypes.BFLOAT16
+
+
+def test_backward_optional_outputs(rng):
+    x = rng.standard_normal((4, 16)).astype(np.float16)
+    _, mean, rstd = cunorm.layer_norm(x, return_stats=True)
+    dx, dw, db = cunorm.layer_norm_backward(x, x, mean, rstd, has_bias=False)
+    assert dw is None and db is None and dx.dtype == np.float16
+    dx, dw, db = cunorm.layer_norm_backward(x, x, mean, rstd)
+    assert dw is None and db.dtype == np.float32
+
+
+def test_zero_rows(rng):
+    x = np.empty((0, 16), np.float32)
+    y, mean, rstd = cunorm.layer_norm(x, return_stats=True)
+    assert y.shape == (0, 16) and mean.shape == (0,)
+
+
+@pytest.mark.parametrize("call,err,match", [
+    (lambda x: cunorm.layer_norm([1.0, 2.0]), TypeError, "x: expected a cupy or numpy array"),
+    (lambda x: cunorm.layer_norm(x.astype(np.float64)), TypeError, "x: dtype float64"),
+    (lambda x: cunorm.layer_norm(x.astype(np.int32)), TypeError, "x: dtype int32"),
+    (lambda x: cunorm.layer_norm(x, np.ones(7, np.float32)), ValueError, "weight: shape"),
+    (lambda x: cunorm.layer_norm(x, np.ones(8, np.float16)), TypeError, "weight: dtype float16"),
+    (lambda x: cunorm.layer_norm(x, np.ones(8, np.float32), np.ones(8, dtypes.BFLOAT16)), TypeError,
+     "bias: dtype bfloat16"),
+    (lambda x: cunorm.layer_norm(x, eps=-1), ValueError, "eps"),
+    (lambda x: cunorm.layer_norm(x, eps=float("nan")), ValueError, "eps"),
+    (lambda x: cunorm.layer_norm(x, eps="a"), TypeError, "eps"),
+    (lambda x: cunorm.layer_norm(np.float32(1.0)), TypeError, "x: expected"),
+    (lambda x: cunorm.layer_norm(np.ones((), np.float32)), ValueError, "x: needs at least one axis"),
+    (lambda x: cunorm.layer_norm(np.ones((3, 0), np.float32)), ValueError, "x: the last axis"),
+    (lambda x: cunorm.layer_norm(x, out_dtype="int8"), ValueError, "unsupported dtype"),
+    (lambda x: cunorm.layer_norm_backward(x[:2], x, x[:, 0], x[:, 0]), ValueError, "dy: shape"),
+    (lambda x: cunorm.layer_norm_backward(x, x, x[:2, 0], x[:, 0]), ValueError, "mean: shape"),
+    (lambda x: cunorm.layer_norm_backward(x, x, x[:, 0], x[:, 0].astype(np.float16)), TypeError, "rstd: dtype"),
+    (lambda x: cunorm.layer_norm_backward(x, x, x[:, 0], x[:, 0], np.ones(3, np.float32)), ValueError,
+     "weight: shape"),
+])
+def test_bad_input_names_the_argument(call, err, match):
+    x = np.ones((4, 8), np.float32)
+    with pytest.raises(err, match=match):
+        call(x)
+
+
+def test_cpu_dlpack_object_is_refused():
+    class CpuTensor:
+        def __dlpack__(self, stream=None):
+            raise AssertionError("not reached")
+
+        def __dlpack_device__(self):
+            return (1, 0)
+
+    with pytest.raises(TypeError, match="x: a __dlpack__ array on a non-CUDA device"):
+        cunorm.layer_norm(CpuTensor())
+
+
+def test_import_makes_no_cuda_call():
+    import subprocess
+    import sys
+
+    code = ("import sys, cunorm; cunorm.layer_norm; "
+            "assert 'cupy' not in sys.modules, 'importing cunorm imported cupy'")
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -1,0 +1,76 @@
+"""Tier B: every dispatch entry compiles with NVRTC for sm_80 and sm_90, with
+no spills and no stack frame. Needs NVRTC, not a GPU."""
+import pytest
+
+from cunorm import Traits, compile_only, dispatch, dtypes
+from cunorm.compiler import parse_ptxas_log
+
+pytestmark = pytest.mark.nvrtc
+
+
+def _entries(arch):
+    for backward in (False, True):
+        for n in dispatch.TUNED_SIZES:
+            for dt in dtypes.NAMES:
+                for wdt in dict.fromkeys((dt, "float32")):
+                    try:
+                        yield dispatch.choose(n, dt, wdt, dt, backward=backward, arch=arch)[0]
+                    except ValueError:
+                        # Rows too wide for one CTA without clusters (sm_80, backward N > 32768).
+                        assert arch < 90 and backward and n > 32768
+                        continue
+
+
+@pytest.mark.parametrize("arch", [90, 80])
+def test_every_dispatch_entry_compiles_clean(arch):
+    bad = []
+    count = 0
+    for t in _entries(arch):
+        count += 1
+        report = compile_only(t, arch)
+        names = {f.name for f in report.functions}
+        assert names == set(t.launches()), (t.short(), names)
+        for f in report.functions:
+            if f.spills or f.stack_frame:
+                bad.append(f"{t.short()} {f.name}: {f.registers} regs, stack {f.stack_frame}, "
+                           f"spills {f.spill_stores}/{f.spill_loads}")
+        assert report.cubin[:4] == b"\x7fELF"
+    assert count > 100
+    assert not bad, "\n".join(bad)
+
+
+def test_heuristic_sample_compiles():
+    for n in (8, 40, 200, 1000, 1160, 4104, 7168, 24584):
+        for backward in (False, True):
+            t = dispatch.heuristic(hidden_size=n, input_dtype="float16", weight_dtype="float32",
+                                   output_dtype="bfloat16", backward=backward)
+            assert compile_only(t, 90).clean, t.short()
+
+
+def test_flag_variants_compile():
+    base = Traits(hidden_size=4096, input_dtype="bfloat16", weight_dtype="bfloat16", output_dtype="bfloat16",
+                  warps_n=4)
+    for backward in (False, True):
+        for has_weight in (False, True):
+            for has_bias in (False, True):
+                for cache in (False, True):
+                    t = base.replace(backward=backward, has_weight=has_weight, has_bias=has_bias,
+                                     cache_weights=cache)
+                    assert compile_only(t, 90).clean, t.short()
+    assert compile_only(base.replace(backward=True, smem_accumulators=True, warps_m=2, warps_n=4), 90).clean
+
+
+def test_cluster_traits_refuse_sm80():
+    t = Traits(hidden_size=65536, input_dtype="bfloat16", warps_n=8, ctas_per_row=8)
+    with pytest.raises(ValueError, match="clusters"):
+        compile_only(t, 80)
+
+
+def test_ptxas_log_parser():
+    log = ("ptxas info    : Compiling entry function 'k' for 'sm_90'\n"
+           "ptxas info    : Function properties for k\n"
+           "ptxas         .     8 bytes stack frame, 4 bytes spill stores, 4 bytes spill loads\n"
+           "ptxas info    : Used 72 registers, used 1 barriers, 128 bytes smem\n")
+    (f,) = parse_ptxas_log(log)
+    assert (f.name, f.registers, f.stack_frame, f.spill_stores, f.smem_bytes) == ("k", 72, 8, 4, 128)
+    assert f.spills

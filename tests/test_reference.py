@@ -1,0 +1,60 @@
+"""Tier A: the float64 references against finite differences of themselves."""
+import numpy as np
+import pytest
+
+from cunorm import reference
+
+
+def _loss_grads(x, w, b, dy, eps):
+    """Finite-difference gradients of sum(layer_norm(x) * dy)."""
+    def loss(x_, w_, b_):
+        return float((reference.layer_norm(x_, w_, b_, eps)[0] * dy).sum())
+
+    def fd(arr, f):
+        g = np.zeros_like(arr)
+        h = 1e-6
+        for idx in np.ndindex(arr.shape):
+            old = arr[idx]
+            arr[idx] = old + h
+            up = f()
+            arr[idx] = old - h
+            down = f()
+            arr[idx] = old
+            g[idx] = (up - down) / (2 * h)
+        return g
+
+    return (fd(x, lambda: loss(x, w, b)), fd(w, lambda: loss(x, w, b)), fd(b, lambda: loss(x, w, b)))
+
+
+@pytest.mark.parametrize("shape", [(3, 8), (2, 2, 5), (1, 1)])
+def test_backward_matches_finite_differences(shape, rng):
+    x = rng.standard_normal(shape) + 2.0
+    n = shape[-1]
+    w, b = rng.standard_normal(n), rng.standard_normal(n)
+    dy = rng.standard_normal(shape)
+    eps = 1e-5
+    _, mean, rstd = reference.layer_norm(x, w, b, eps)
+    dx, dw, db = reference.layer_norm_backward(dy, x, mean, rstd, w)
+    fx, fw, fb = _loss_grads(x.copy(), w.copy(), b.copy(), dy, eps)
+    np.testing.assert_allclose(dx, fx, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(dw, fw, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(db, fb, rtol=1e-5, atol=1e-6)
+
+
+def test_forward_statistics(rng):
+    x = rng.standard_normal((4, 100)) * 3 + 7
+    y, mean, rstd = reference.layer_norm(x, eps=0.0)
+    np.testing.assert_allclose(mean, x.mean(-1))
+    np.testing.assert_allclose(rstd, 1 / x.std(-1))
+    np.testing.assert_allclose(y.mean(-1), 0, atol=1e-12)
+    np.testing.assert_allclose(y.std(-1), 1, rtol=1e-12)
+
+
+def test_backward_without_weight_matches_unit_weight(rng):
+    x, dy = rng.standard_normal((5, 16)), rng.standard_normal((5, 16))
+    _, mean, rstd = reference.layer_norm(x)
+    dx, dw, db = reference.layer_norm_backward(dy, x, mean, rstd, None)
+    dx1, _, db1 = reference.layer_norm_backward(dy, x, mean, rstd, np.ones(16))
+    assert dw is None
+    np.testing.assert_allclose(dx, dx1)
+    np.testing.assert_allclose(db, db1)

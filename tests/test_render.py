@@ -1,0 +1,60 @@
+"""Tier A: the renderer inlines our headers and fills every placeholder."""
+import re
+import string
+
+import pytest
+
+import cunorm
+from cunorm import Traits, render
+from cunorm.source import inline, kernel_dir
+
+
+def test_rendered_source_is_complete():
+    t = Traits(hidden_size=4096, input_dtype="bfloat16", weight_dtype="float32", output_dtype="float16", warps_n=4)
+    src = cunorm.render(t)
+    assert "${" not in src and not re.search(r"^#include", src, re.M)
+    assert "typedef cn_bf16 input_t;" in src and "typedef float weight_t;" in src
+    assert "typedef cn_half output_t;" in src and "constexpr int COLS = 4096;" in src
+    assert src.count("struct Coords") == 1  # each header once
+
+
+def test_backward_renders_its_kernels():
+    src = render(Traits(hidden_size=1024, backward=True, warps_n=2))
+    assert "layer_norm_bwd(" in src and "layer_norm_bwd_finalize(" in src
+
+
+def test_every_placeholder_is_a_trait():
+    t = Traits(hidden_size=1024)
+    for name in ("layer_norm_fwd.cu", "layer_norm_bwd.cu"):
+        text = inline(name)
+        names = {m.group("named") or m.group("braced") for m in string.Template.pattern.finditer(text)
+                 if m.group("named") or m.group("braced")}
+        assert names <= set(t.template_values()), names - set(t.template_values())
+
+
+def test_missing_trait_is_an_error():
+    class Partial:
+        source_file = "layer_norm_fwd.cu"
+
+        def template_values(self):
+            return {"INPUT_T": "float"}
+
+        def short(self):
+            return "partial"
+
+    with pytest.raises(ValueError, match="needs trait"):
+        render(Partial())
+
+
+def test_kernel_dir_holds_the_sources():
+    assert {p.name for p in kernel_dir().glob("*.cu*")} >= {"cunorm_common.cuh", "norm_traits.cuh",
+                                                          "layer_norm_fwd.cu", "layer_norm_bwd.cu"}
+
+
+def test_python_and_cxx_agree_on_derived_traits():
+    """The kernels static_assert that their LDGS etc. equal Python's; here the
+    rendered numbers are Python's own derivation."""
+    t = Traits(hidden_size=12800, input_dtype="bfloat16", warps_n=13, backward=True)
+    src = render(t)
+    assert re.search(rf"static_assert\(LDGS == {t.ldgs},", src)
+    assert re.search(rf"static_assert\(SMEM_BYTES == {t.smem_bytes},", src)

@@ -1,0 +1,91 @@
+"""Tier A: Traits mirror the kernels' rules; every dispatch entry is legal."""
+import pytest
+
+from cunorm import Traits, dispatch
+from cunorm.traits import KNOBS
+
+
+def test_derived_quantities_match_the_kernel_formulas():
+    t = Traits(hidden_size=5120, input_dtype="bfloat16", weight_dtype="float32", output_dtype="bfloat16",
+               warps_m=1, warps_n=4, ctas_per_row=1, bytes_per_ldg=16)
+    assert t.threads_per_row == 128 and t.threads_per_cta == 128 and t.rows_per_cta == 1
+    assert t.elts_per_ldg == 8 and t.vec_cols == 640 and t.vec_cols_per_ldg == 128
+    assert t.ldgs == 5 and t.elts_per_thread == 40 and t.full_tiles
+    fp32 = t.replace(input_dtype="float32", warps_n=8)
+    assert fp32.elts_per_ldg == 4 and fp32.ldgs == 5 and fp32.full_tiles
+
+
+@pytest.mark.parametrize("changes,rule", [
+    (dict(warps_n=0), "WARPS_M and WARPS_N"),
+    (dict(warps_m=8, warps_n=8), "1024 threads"),
+    (dict(bytes_per_ldg=12), "BYTES_PER_LDG must be 2, 4, 8 or 16"),
+    (dict(input_dtype="float32", bytes_per_ldg=2), "whole input elements"),
+    (dict(hidden_size=1028), "multiple of the elements per load"),
+    (dict(ctas_per_row=3), "CTAS_PER_ROW must be 1, 2, 4 or 8"),
+    (dict(ctas_per_row=2, warps_m=2), "WARPS_M == 1"),
+    (dict(warps_n=1, hidden_size=8192), "register budget"),
+    (dict(compute_dtype="float16"), "compute_dtype"),
+    (dict(min_ctas_per_sm=0), "MIN_CTAS_PER_SM"),
+    (dict(smem_accumulators=True), "backward knob"),
+    (dict(hidden_size=0), "positive"),
+])
+def test_illegal_traits_name_the_rule(changes, rule):
+    base = dict(hidden_size=1024, input_dtype="bfloat16", weight_dtype="bfloat16", output_dtype="bfloat16",
+                warps_n=4)
+    with pytest.raises(ValueError, match=rule):
+        Traits(**{**base, **changes})
+
+
+def test_unsupported_dtype_is_rejected():
+    with pytest.raises(ValueError, match="unsupported dtype"):
+        Traits(hidden_size=1024, input_dtype="float64")
+
+
+def test_clusters_need_sm90():
+    t = Traits(hidden_size=16384, input_dtype="bfloat16", warps_n=8, ctas_per_row=2)
+    t.check_arch(90)
+    with pytest.raises(ValueError, match="clusters"):
+        t.check_arch(80)
+
+
+def test_traits_are_hashable_and_frozen():
+    a = Traits(hidden_size=1024, input_dtype="bfloat16", warps_n=2)
+    b = Traits(hidden_size=1024, input_dtype="bfloat16", warps_n=2)
+    assert a == b and hash(a) == hash(b) and len({a, b}) == 1
+    with pytest.raises(Exception):
+        a.warps_n = 4
+    assert set(a.knobs()) == set(KNOBS)
+
+
+@pytest.mark.parametrize("backward", [False, True])
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_every_tuned_size_dispatches_to_legal_traits(dtype, backward):
+    for n in dispatch.TUNED_SIZES:
+        for wdt in {dtype, "float32"}:
+            t, source = dispatch.choose(n, dtype, wdt, dtype, backward=backward)
+            assert t.hidden_size == n and t.input_dtype == dtype and t.weight_dtype == wdt
+            assert source in ("tuned", "heuristic")
+
+
+def test_tuned_table_entries_are_legal():
+    for (backward, n, itemsize), knobs in dispatch.TUNED.items():
+        dtype = {4: "float32", 2: "bfloat16"}[itemsize]
+        Traits(hidden_size=n, input_dtype=dtype, backward=backward, **dict(zip(KNOBS, knobs)))
+        assert n in dispatch.TUNED_SIZES
+
+
+@pytest.mark.parametrize("backward", [False, True])
+def test_heuristic_covers_every_multiple_of_8(backward):
+    # Up to 65536 backward (the widest row 8 CTAs of 256 threads hold); forward goes further.
+    for n in list(range(8, 4097, 8)) + [8200, 12296, 40008, 65528] + ([] if backward else [65544, 100_000]):
+        for dtype in ("float32", "bfloat16"):
+            t = dispatch.heuristic(hidden_size=n, input_dtype=dtype, weight_dtype=dtype, output_dtype=dtype,
+                                   backward=backward)
+            assert t.hidden_size == n
+            t.check_arch(90)
+
+
+def test_heuristic_without_clusters_uses_one_cta_per_row():
+    t = dispatch.heuristic(hidden_size=16384, input_dtype="bfloat16", weight_dtype="bfloat16",
+                           output_dtype="bfloat16", arch=80)
+    assert t.ctas_per_row == 1

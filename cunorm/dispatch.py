@@ -24,6 +24,8 @@ TUNED: dict = {
 # in flight per thread, few enough registers for several CTAs per SM.
 TARGET_LDGS = {False: 4, True: 4}
 MIN_THREADS_PER_CTA = 128
+DEFAULT_STAGES = 3
+STAGED_SMEM_BUDGET = 100 * 1024
 # Above 512 threads a CTA gets fewer than 128 registers per thread; wider rows
 # are split across a cluster instead.
 MAX_HEURISTIC_WARPS_N = {False: 16, True: 8}  # the backward holds twice the row (x and dy)
@@ -56,8 +58,8 @@ def heuristic(*, hidden_size: int, input_dtype: str, backward: bool = False, arc
     ctas_options = (1, 2, 4, 8) if arch >= CLUSTER_MIN_ARCH else (1,)
     best, best_cost = None, math.inf
     for ctas in ctas_options:
-        # Without clusters, a row must fit one CTA of up to 32 warps.
-        max_warps_n = MAX_HEURISTIC_WARPS_N[backward] if arch >= CLUSTER_MIN_ARCH else 32
+        # Without clusters, a row must fit one CTA (of at most 16 warps: wider CTAs get 64 registers a thread).
+        max_warps_n = MAX_HEURISTIC_WARPS_N[backward] if arch >= CLUSTER_MIN_ARCH else 16
         for warps_n in range(1, max_warps_n + 1):
             try:
                 t = Traits(hidden_size=hidden_size, input_dtype=input_dtype, backward=backward, warps_n=warps_n,
@@ -83,7 +85,16 @@ def heuristic(*, hidden_size: int, input_dtype: str, backward: bool = False, arc
         warps_m = max(1, MIN_THREADS_PER_CTA // best.threads_per_row)
         while warps_m > 1:
             try:
-                return best.replace(warps_m=warps_m)
+                best = best.replace(warps_m=warps_m)
+                break
             except ValueError:
                 warps_m //= 2
+    # Rows in flight: as many stages as fit in STAGED_SMEM_BUDGET (two CTAs per SM).
+    for stages in range(DEFAULT_STAGES, 0, -1):
+        try:
+            staged = best.replace(stages=stages)
+        except ValueError:
+            continue
+        if staged.smem_bytes <= STAGED_SMEM_BUDGET or stages == 1:
+            return staged
     return best

@@ -22,7 +22,7 @@ SMEM_LIMIT = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}  # p
 DEFAULT_SMEM_LIMIT = 99 * 1024
 CLUSTER_MIN_ARCH = 90
 # The independent launch-shape knobs (what tuning varies and `traits=` may force).
-KNOBS = ("warps_m", "warps_n", "ctas_per_row", "bytes_per_ldg", "cache_weights", "min_ctas_per_sm",
+KNOBS = ("warps_m", "warps_n", "ctas_per_row", "bytes_per_ldg", "stages", "cache_weights", "min_ctas_per_sm",
          "smem_accumulators")
 # Warps of the backward's finalize kernel (each sums a slice of the partial rows).
 FINALIZE_WARPS = 16
@@ -38,6 +38,8 @@ class Traits:
     warps_m: rows per CTA (one warp-row each); warps_n: warps across a row;
     ctas_per_row: CTAs sharing a row (a thread-block cluster, sm_90+);
     bytes_per_ldg: bytes one thread moves per vector load of x.
+    stages: rows in flight per thread, the current one included; >= 2 stages the
+      rows ahead in shared memory with asynchronous copies (no registers held).
     cache_weights: hold gamma/beta in registers for the whole kernel (True) or
       re-read them where used, from L1/L2 (False; frees registers for wide rows).
     min_ctas_per_sm: __launch_bounds__'s second argument: caps registers so that
@@ -57,6 +59,7 @@ class Traits:
     warps_n: int = 1
     ctas_per_row: int = 1
     bytes_per_ldg: int = 16
+    stages: int = 2
     cache_weights: bool = True
     min_ctas_per_sm: int = 1
     smem_accumulators: bool = False
@@ -107,13 +110,22 @@ class Traits:
         return self.vec_cols % self.vec_cols_per_ldg == 0
 
     @property
+    def stage_slots(self) -> int:
+        return self.warps_m * self.ldgs * self.threads_per_row
+
+    @property
     def smem_bytes(self) -> int:
-        """Dynamic shared memory of the backward: its column-sum slots
-        [2][WARPS_M][LDGS][THREADS_PER_ROW] fp32 vectors, when the sums live there
-        or WARPS_M rows must be folded."""
-        if not self.backward or not (self.smem_accumulators or self.warps_m > 1):
-            return 0
-        return 2 * self.warps_m * self.ldgs * self.threads_per_row * self.elts_per_ldg * 4
+        """Dynamic shared memory: staged rows ([STAGES][WARPS_M][LDGS][THREADS_PER_ROW]
+        vectors of x, and of dy in the backward) and, in the backward, the
+        column-sum slots (2 x [WARPS_M][LDGS][THREADS_PER_ROW] fp32 vectors) when
+        the sums live there or WARPS_M rows must be folded."""
+        elts = self.elts_per_ldg
+        vec_bytes = elts * dtypes.itemsize(self.input_dtype)
+        if self.backward:
+            vec_bytes += elts * dtypes.itemsize(self.output_dtype)
+        staged = self.stages * self.stage_slots * vec_bytes if self.stages > 1 else 0
+        sums = 2 * self.stage_slots * elts * 4 if self.backward and (self.smem_accumulators or self.warps_m > 1) else 0
+        return staged + sums
 
     @property
     def source_file(self) -> str:
@@ -126,7 +138,7 @@ class Traits:
         if self.backward:
             return {"layer_norm_bwd": (self.threads_per_cta, self.smem_bytes),
                     "layer_norm_bwd_finalize": (FINALIZE_WARPS * THREADS_PER_WARP, 0)}
-        return {"layer_norm_fwd": (self.threads_per_cta, 0)}
+        return {"layer_norm_fwd": (self.threads_per_cta, self.smem_bytes)}
 
     @property
     def uses_cluster(self) -> bool:
@@ -152,6 +164,10 @@ class Traits:
         rule(self.elts_per_thread <= MAX_ELTS_PER_THREAD[self.backward],
              f"{self.elts_per_thread} elements per thread exceed the register budget of "
              f"{MAX_ELTS_PER_THREAD[self.backward]} ({'backward' if self.backward else 'forward'})")
+        rule(1 <= self.stages <= 8, "STAGES must be 1..8")
+        rule(self.stages == 1 or (self.bytes_per_ldg >= 4 and
+                                  self.elts_per_ldg * dtypes.itemsize(self.output_dtype) >= 4),
+             "staged rows need vectors of x and y/dy of >= 4 bytes (cp.async moves 4-16 bytes)")
         rule(1 <= self.min_ctas_per_sm and self.min_ctas_per_sm * self.threads_per_cta <= 2048,
              "MIN_CTAS_PER_SM must be >= 1 and fit 2048 threads per SM")
         rule(self.smem_bytes <= SMEM_LIMIT[90], f"{self.smem_bytes} bytes of shared memory exceed 227 KB")
@@ -174,7 +190,7 @@ class Traits:
     def short(self) -> str:
         return (f"N={self.hidden_size} {self.input_dtype}/{self.weight_dtype}->{self.output_dtype} "
                 f"WARPS_M={self.warps_m} WARPS_N={self.warps_n} CTAS_PER_ROW={self.ctas_per_row} "
-                f"BYTES_PER_LDG={self.bytes_per_ldg} CACHE_WEIGHTS={int(self.cache_weights)} "
+                f"BYTES_PER_LDG={self.bytes_per_ldg} STAGES={self.stages} CACHE_WEIGHTS={int(self.cache_weights)} "
                 f"MIN_CTAS_PER_SM={self.min_ctas_per_sm}" + (" SMEM_ACCUMULATORS=1" if self.smem_accumulators else ""))
 
     def knobs(self) -> dict:
@@ -202,6 +218,7 @@ class Traits:
             "HAS_BIAS": "true" if self.has_bias else "false",
             "CACHE_WEIGHTS": "true" if self.cache_weights else "false",
             "MIN_CTAS_PER_SM": self.min_ctas_per_sm,
+            "STAGES": self.stages,
             "SMEM_ACCUMULATORS": "true" if self.smem_accumulators else "false",
             "LDGS": self.ldgs,
             "THREADS_PER_CTA": self.threads_per_cta,

@@ -3,6 +3,7 @@ fastest knobs (what goes into dispatch.TUNED)."""
 from __future__ import annotations
 
 import itertools
+import json
 import sys
 
 import numpy as np
@@ -11,37 +12,91 @@ from . import dtypes
 from .traits import Traits
 
 
+SHAPES = dict(ctas_per_row=(1, 2, 4, 8), warps_n=(1, 2, 4, 8, 16, 32), warps_m=(1, 2, 4, 8), bytes_per_ldg=(16, 8))
+EXTRAS = dict(stages=(1, 2, 3, 4), min_ctas_per_sm=(1, 2), cache_weights=(True, False),
+              smem_accumulators=(False, True))
+
+
+def _legal(base: dict, **knobs):
+    try:
+        t = Traits(**base, **knobs)
+    except ValueError:
+        return None
+    # Skip shapes that leave most of a CTA idle or hold too few elements per thread.
+    if t.threads_per_cta < 64 or t.elts_per_thread < 8 or t.ldgs * t.vec_cols_per_ldg > 2 * t.vec_cols:
+        return None
+    return t
+
+
 def candidates(hidden_size: int, dtype: str, backward: bool, arch: int = 90):
-    """Legal traits over a grid of knobs (16- and 8-byte loads)."""
-    seen = set()
-    for ctas, warps_n, warps_m, bpl, cache, min_ctas, smem_acc in itertools.product(
-            (1, 2, 4, 8), (1, 2, 4, 8, 16, 32), (1, 2, 4, 8), (16, 8), (True, False), (1, 2, 3, 4),
-            (False, True) if backward else (False,)):
-        if ctas > 1 and (warps_m > 1 or arch < 90):
+    """Phase 1: launch shapes (CTAs per row, warps, load width) with default extras."""
+    base = dict(hidden_size=hidden_size, input_dtype=dtype, weight_dtype=dtype, output_dtype=dtype,
+                backward=backward)
+    out = []
+    for ctas, wn, wm, bpl in itertools.product(*SHAPES.values()):
+        if ctas > 1 and (wm > 1 or arch < 90):
+            continue
+        t = _legal(base, ctas_per_row=ctas, warps_n=wn, warps_m=wm, bytes_per_ldg=bpl)
+        if t is not None:
+            out.append(t)
+    return out
+
+
+def refinements(shape: Traits):
+    """Phase 2: the extras (stages, register cap, weight caching, shared-memory sums) on one shape."""
+    out = []
+    for stages, min_ctas, cache, smem_acc in itertools.product(*EXTRAS.values()):
+        if smem_acc and not shape.backward:
             continue
         try:
-            t = Traits(hidden_size=hidden_size, input_dtype=dtype, weight_dtype=dtype, output_dtype=dtype,
-                       warps_m=warps_m, warps_n=warps_n, ctas_per_row=ctas, bytes_per_ldg=bpl, backward=backward,
-                       cache_weights=cache, min_ctas_per_sm=min_ctas, smem_accumulators=smem_acc)
+            t = shape.replace(stages=stages, min_ctas_per_sm=min_ctas, cache_weights=cache,
+                              smem_accumulators=smem_acc)
         except ValueError:
             continue
-        # Skip shapes that leave most of a CTA idle or hold too few elements per thread.
-        if t.threads_per_cta < 64 or t.elts_per_thread < 8 or t.ldgs * t.vec_cols_per_ldg > 2 * t.vec_cols:
-            continue
-        # A register cap below 64 per thread only spills.
-        if 65536 // (min_ctas * t.threads_per_cta) < 64:
-            continue
-        if t not in seen:
-            seen.add(t)
-            yield t
+        if 65536 // (min_ctas * t.threads_per_cta) >= 64:  # a cap below 64 registers only spills
+            out.append(t)
+    return out
 
 
-def tune(hidden_size: int, dtype: str = "bfloat16", backward: bool = False, elements: int = 2**26,
-         repeat: int = 10, out=sys.stdout) -> list:
-    """[(ms, traits)] sorted fastest first."""
+def _usable(traits: Traits, device_id: int) -> bool:
+    """Compiles (CuPy caches it) and rejects kernels that spill or cannot launch."""
+    from .compiler import kernels_for
+
+    try:
+        kernels = kernels_for(traits, device_id)
+    except Exception:
+        return False
+    return all(k.function.local_size_bytes == 0 for k in kernels.values())
+
+
+def _time_all(traits_list, fn_for, repeat, out):
+    """[(ms, traits)] for the usable candidates, compiled in parallel first."""
+    from concurrent.futures import ThreadPoolExecutor
+
     import cupy
 
     from .bench import median_ms
+
+    dev = cupy.cuda.Device().id
+    with ThreadPoolExecutor(max_workers=16) as pool:
+        usable = list(pool.map(lambda t: _usable(t, dev), traits_list))
+    timed = []
+    for t, ok in zip(traits_list, usable):
+        if not ok:
+            continue
+        try:
+            timed.append((median_ms(fn_for(t), repeat=repeat, warmup=2, batch=5), t))
+        except Exception as e:  # a candidate that fails to launch is reported, not fatal
+            print(f"  {t.short()}: {type(e).__name__}: {str(e).splitlines()[0]}", file=out)
+    timed.sort(key=lambda p: p[0])
+    return timed
+
+
+def tune(hidden_size: int, dtype: str = "bfloat16", backward: bool = False, elements: int = 2**26,
+         repeat: int = 10, keep: int = 3, out=sys.stdout) -> list:
+    """[(ms, traits)] sorted fastest first: every shape, then the extras on the `keep` fastest shapes."""
+    import cupy
+
     from .layer_norm import layer_norm, layer_norm_backward
 
     m = max(1, elements // hidden_size)
@@ -50,21 +105,16 @@ def tune(hidden_size: int, dtype: str = "bfloat16", backward: bool = False, elem
     w = cupy.random.standard_normal(hidden_size, dtype=np.float32).astype(dt)
     _, mean, rstd = layer_norm(x, w, w, return_stats=True)
     dy = cupy.random.standard_normal((m, hidden_size), dtype=np.float32).astype(dt) if backward else None
-    timed = []
-    for t in candidates(hidden_size, dtype, backward):
+
+    def fn_for(t):
         knobs = t.knobs()
         if backward:
-            fn = lambda: layer_norm_backward(dy, x, mean, rstd, w, traits=knobs)  # noqa: E731
-        else:
-            fn = lambda: layer_norm(x, w, w, return_stats=True, traits=knobs)  # noqa: E731
-        try:
-            ms = median_ms(fn, repeat=repeat, warmup=2, batch=5)
-        except Exception as e:  # a candidate that fails to compile or launch is reported, not fatal
-            print(f"  {t.short()}: {type(e).__name__}: {str(e).splitlines()[0]}", file=out)
-            continue
-        timed.append((ms, t))
-    timed.sort(key=lambda p: p[0])
-    return timed
+            return lambda: layer_norm_backward(dy, x, mean, rstd, w, traits=knobs)
+        return lambda: layer_norm(x, w, w, return_stats=True, traits=knobs)
+
+    shapes = _time_all(candidates(hidden_size, dtype, backward), fn_for, repeat, out)
+    refined = [t for _, shape in shapes[:keep] for t in refinements(shape)]
+    return sorted(shapes + _time_all(refined, fn_for, repeat, out), key=lambda p: p[0])
 
 
 def main(argv=None):
@@ -77,6 +127,7 @@ def main(argv=None):
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--top", type=int, default=3)
     p.add_argument("--direction", choices=["fwd", "bwd", "both"], default="both")
+    p.add_argument("--json", default=None, help="append the best knobs per size to this JSON-lines file")
     a = p.parse_args(argv)
     copy = copy_bandwidth()
     e = dtypes.itemsize(a.dtype)
@@ -85,6 +136,12 @@ def main(argv=None):
             m = 2**26 // n
             nbytes = (3 if backward else 2) * m * n * e + 8 * m
             ranked = tune(n, a.dtype, backward)
+            if a.json and ranked:
+                ms, best = ranked[0]
+                with open(a.json, "a") as f:
+                    f.write(json.dumps({"backward": backward, "n": n, "dtype": a.dtype, "ms": ms,
+                                        "fraction_of_copy": nbytes / (ms * 1e-3) / copy,
+                                        "knobs": list(best.knobs().values())}) + "\n")
             for ms, t in ranked[:a.top]:
                 frac = nbytes / (ms * 1e-3) / copy
                 print(f"TUNE {'bwd' if backward else 'fwd'} N={n} {a.dtype} {frac:.3f} of copy {ms:.4f} ms "

@@ -4,7 +4,7 @@
 // With xhat = (x - mean) * rstd and g = dy * gamma:
 //   dx = rstd * (g - mean(g) - xhat * mean(g * xhat))
 //   dgamma = sum_rows(dy * xhat),  dbeta = sum_rows(dy)
-// The grid is persistent (one wave): each CTA walks its rows, keeps its column
+// The grid is persistent (one wave, rows staged as in layer_norm_fwd.cu): each CTA walks its rows, keeps its column
 // sums (in registers, or in shared memory with SMEM_ACCUMULATORS), and writes
 // one partial row. Nothing is atomic, and every sum runs in a fixed order, so
 // the results are bitwise reproducible.
@@ -16,7 +16,10 @@ using AccVec = Vec<float, ELTS_PER_LDG>;
 // Column-sum slots of a CTA in shared memory: [2 (dgamma, dbeta)][WARPS_M][LDGS][THREADS_PER_ROW]
 // vectors. Used by the accumulators themselves, or (in registers) to fold WARPS_M rows into one.
 constexpr int ACC_SLOTS = WARPS_M * LDGS * THREADS_PER_ROW;
-constexpr int SMEM_BYTES = (SMEM_ACCUMULATORS || WARPS_M > 1) ? 2 * ACC_SLOTS * int(sizeof(AccVec)) : 0;
+constexpr int ACC_BYTES = (SMEM_ACCUMULATORS || WARPS_M > 1) ? 2 * ACC_SLOTS * int(sizeof(AccVec)) : 0;
+// Dynamic shared memory: [column-sum slots][staged x][staged dy].
+constexpr int SMEM_BYTES = ACC_BYTES + PIPE_SLOTS * int(sizeof(Vec<input_t, ELTS_PER_LDG>) +
+                                                    sizeof(Vec<output_t, ELTS_PER_LDG>));
 static_assert(SMEM_BYTES == ${SMEM_BYTES}, "cunorm.Traits.smem_bytes disagrees with the kernel");
 
 // This thread's column sums for one quantity.
@@ -77,7 +80,8 @@ layer_norm_bwd(const output_t* __restrict__ dy, const input_t* __restrict__ x,
   using InVec = Vec<input_t, ELTS_PER_LDG>;
   using GradVec = Vec<output_t, ELTS_PER_LDG>;
   using WVec = Vec<weight_t, ELTS_PER_LDG>;
-  extern __shared__ AccVec acc_smem[];
+  CN_DYNAMIC_SMEM(smem);
+  AccVec* acc_smem = reinterpret_cast<AccVec*>(smem);
   const Coords at;
   CN_ROW_REDUCER(2, reducer);
 
@@ -85,28 +89,17 @@ layer_norm_bwd(const output_t* __restrict__ dy, const input_t* __restrict__ x,
   ColumnSums<SMEM_ACCUMULATORS> dgamma_acc(acc_smem, at), dbeta_acc(acc_smem + ACC_SLOTS, at);
 
   constexpr float inv_cols = 1.f / float(COLS);
-  // Rows past the end (and columns past the row) load as zeros: g = 0 there,
-  // so they add nothing to the row sums or the column sums. The next row is
-  // loaded before this row's reduction (see layer_norm_fwd.cu).
-  const long long stride = at.groups * ROWS_PER_CTA;
-  InVec next_x[LDGS];
-  GradVec next_dy[LDGS];
-  load_row(next_x, x, at.group * ROWS_PER_CTA + at.warp_m, ldx, rows, at);
-  load_row(next_dy, dy, at.group * ROWS_PER_CTA + at.warp_m, lddy, rows, at);
-  for (long long first = at.group * ROWS_PER_CTA; first < rows; first += stride) {
-    const long long row = first + at.warp_m;
-    const bool row_ok = row < rows;
+  // Rows past the end (and columns past the row) arrive as zeros: g = 0
+  // there, so they add nothing to the row sums or the column sums.
+  RowPipe<input_t> xs(reinterpret_cast<InVec*>(smem + ACC_BYTES), x, ldx, rows, at);
+  RowPipe<output_t> dys(reinterpret_cast<GradVec*>(smem + ACC_BYTES + PIPE_SLOTS * int(sizeof(InVec))), dy, lddy,
+                        rows, at);
+
+  for_each_row(rows, at, [&](long long row, bool row_ok, int stage) {
     InVec xv[LDGS];
     GradVec dyv[LDGS];
-#pragma unroll
-    for (int it = 0; it < LDGS; ++it) {
-      xv[it] = next_x[it];
-      dyv[it] = next_dy[it];
-    }
-    if (first + stride < rows) {
-      load_row(next_x, x, row + stride, ldx, rows, at);
-      load_row(next_dy, dy, row + stride, lddy, rows, at);
-    }
+    xs.read(stage, row, xv, at);
+    dys.read(stage, row, dyv, at);
     const float mu = row_ok ? mean[row] : 0.f;
     const float rs = row_ok ? rstd[row] : 0.f;
 
@@ -155,7 +148,7 @@ layer_norm_bwd(const output_t* __restrict__ dy, const input_t* __restrict__ x,
         o.store(dx + row * lddx, at.vec(it));
       }
     }
-  }
+  }, xs, dys);
 
   if constexpr (HAS_WEIGHT || HAS_BIAS) {
     float* gpart = dgamma_part + at.group * COLS;

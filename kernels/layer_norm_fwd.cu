@@ -1,7 +1,8 @@
 // LayerNorm forward: y = (x - mean) * rstd * gamma + beta over the last axis.
 //
 // Each row lives in registers (LDGS vectors of ELTS_PER_LDG elements per
-// thread), so x is read from memory exactly once. Mean and variance are exact
+// thread), so x is read from memory exactly once; the next STAGES - 1 rows are
+// in flight meanwhile (see for_each_row). Mean and variance are exact
 // two-pass sums in fp32 over the registers, never E[x^2] - E[x]^2.
 #include "cunorm_common.cuh"
 #include "norm_traits.cuh"
@@ -21,20 +22,13 @@ layer_norm_fwd(const input_t* __restrict__ x, const weight_t* __restrict__ gamma
   const RowWeights<weight_t, HAS_BIAS> b(beta, at);
 
   constexpr float inv_cols = 1.f / float(COLS);
-  // Persistent grid; every CTA runs the same number of iterations (barriers
-  // inside), rows past the end are computed on zeros and not stored. The next
-  // row's loads are issued before this row's reductions, so memory stays busy
-  // while the CTA waits on its barriers.
-  const long long stride = at.groups * ROWS_PER_CTA;
-  InVec next[LDGS];
-  load_row(next, x, at.group * ROWS_PER_CTA + at.warp_m, ldx, rows, at);
-  for (long long first = at.group * ROWS_PER_CTA; first < rows; first += stride) {
-    const long long row = first + at.warp_m;
-    const bool row_ok = row < rows;
+  static_assert(PIPE_SLOTS * int(sizeof(InVec)) == ${SMEM_BYTES}, "cunorm.Traits.smem_bytes disagrees");
+  CN_DYNAMIC_SMEM(smem);
+  RowPipe<input_t> xs(reinterpret_cast<InVec*>(smem), x, ldx, rows, at);
+
+  for_each_row(rows, at, [&](long long row, bool row_ok, int stage) {
     InVec v[LDGS];
-#pragma unroll
-    for (int it = 0; it < LDGS; ++it) v[it] = next[it];
-    if (first + stride < rows) load_row(next, x, row + stride, ldx, rows, at);
+    xs.read(stage, row, v, at);
 
     float sum[1] = {0.f};
 #pragma unroll
@@ -77,6 +71,6 @@ layer_norm_fwd(const input_t* __restrict__ x, const weight_t* __restrict__ gamma
         if (rstd_out) rstd_out[row] = rstd;
       }
     }
-  }
+  }, xs);
   finish_cluster();
 }

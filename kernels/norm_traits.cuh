@@ -20,6 +20,7 @@ constexpr bool HAS_WEIGHT = ${HAS_WEIGHT};
 constexpr bool HAS_BIAS = ${HAS_BIAS};
 constexpr bool CACHE_WEIGHTS = ${CACHE_WEIGHTS};
 constexpr int MIN_CTAS_PER_SM = ${MIN_CTAS_PER_SM};
+constexpr int STAGES = ${STAGES};  // rows in flight per thread (>= 2: staged in shared memory)
 
 constexpr int THREADS_PER_WARP = 32;
 constexpr int THREADS_PER_ROW = WARPS_N * THREADS_PER_WARP;
@@ -43,6 +44,9 @@ static_assert(COLS % ELTS_PER_LDG == 0, "hidden size must be a multiple of the e
 static_assert(CTAS_PER_ROW == 1 || CTAS_PER_ROW == 2 || CTAS_PER_ROW == 4 || CTAS_PER_ROW == 8,
               "CTAS_PER_ROW must be 1, 2, 4 or 8 (a portable cluster)");
 static_assert(CTAS_PER_ROW == 1 || WARPS_M == 1, "several CTAs per row need WARPS_M == 1");
+static_assert(STAGES >= 1 && STAGES <= 8, "STAGES must be 1..8");
+static_assert(STAGES == 1 || (BYTES_PER_LDG >= 4 && ELTS_PER_LDG * sizeof(output_t) >= 4),
+              "staged rows need vectors of x and y/dy of >= 4 bytes (cp.async moves 4-16 bytes)");
 static_assert(MIN_CTAS_PER_SM >= 1 && MIN_CTAS_PER_SM * THREADS_PER_CTA <= 2048,
               "MIN_CTAS_PER_SM must be >= 1 and fit 2048 threads per SM");
 
@@ -87,6 +91,82 @@ __device__ __forceinline__ void load_row(Vec<T, ELTS_PER_LDG> (&v)[LDGS], const 
     if (row_ok && at.in_row(it)) v[it].load(base + row * ld, at.vec(it));
     else v[it].zero();
   }
+}
+
+// Dynamic shared memory: staged rows (and the backward's column sums).
+#define CN_DYNAMIC_SMEM(name) extern __shared__ __align__(16) unsigned char name[]
+
+// Vector slots of one staged array in shared memory: [STAGES][WARPS_M][LDGS][THREADS_PER_ROW].
+constexpr int STAGE_SLOTS = WARPS_M * LDGS * THREADS_PER_ROW;
+constexpr int PIPE_SLOTS = STAGES > 1 ? STAGES * STAGE_SLOTS : 0;
+
+// The rows of one input (x or dy) a thread will read, STAGES - 1 rows ahead.
+// Each thread copies exactly the vectors it later reads itself, so stages
+// need no barrier: a thread waits only for its own copies. With STAGES == 1
+// rows are loaded straight into registers when read.
+template <typename T>
+struct RowPipe {
+  using V = Vec<T, ELTS_PER_LDG>;
+  const T* base;
+  long long ld, rows;
+  V* slots;  // this thread's slot of stage 0, LDG step 0
+
+  __device__ __forceinline__ RowPipe(V* smem, const T* base_, long long ld_, long long rows_, const Coords& at)
+      : base(base_), ld(ld_), rows(rows_),
+        slots(smem + at.warp_m * LDGS * THREADS_PER_ROW + at.warp_n * THREADS_PER_WARP + at.lane) {}
+
+  // Starts copying `row` into `stage` (zeros past the last row or the row's end).
+  __device__ __forceinline__ void fetch(int stage, long long row, const Coords& at) {
+    if constexpr (STAGES > 1) {
+      const bool row_ok = row < rows;
+#pragma unroll
+      for (int it = 0; it < LDGS; ++it) {
+        const bool ok = row_ok && at.in_row(it);
+        V* dst = slots + stage * STAGE_SLOTS + it * THREADS_PER_ROW;
+        const T* src = ok ? base + row * ld + static_cast<long long>(at.vec(it)) * ELTS_PER_LDG : base;
+#pragma unroll
+        for (int c = 0; c < V::CHUNKS; ++c)
+          cp_async_zfill<V::CHUNK_BYTES>(&dst->raw[c], reinterpret_cast<const typename V::chunk_t*>(src) + c, ok);
+      }
+    }
+  }
+  // This thread's vectors of `row`, which `stage` holds (once its copies landed).
+  __device__ __forceinline__ void read(int stage, long long row, V (&v)[LDGS], const Coords& at) const {
+    if constexpr (STAGES > 1) {
+#pragma unroll
+      for (int it = 0; it < LDGS; ++it) v[it] = slots[stage * STAGE_SLOTS + it * THREADS_PER_ROW];
+    } else {
+      load_row(v, base, row, ld, rows, at);
+    }
+  }
+};
+
+// Walks this CTA's rows (a persistent grid: row groups group, group + groups,
+// ...), keeping STAGES - 1 rows of every pipe in flight, and calls
+// body(row, row_ok, stage) once the stage holding `row` has landed. Every CTA
+// runs the same number of iterations (the body may hold barriers); rows past
+// the end arrive as zeros and are not to be stored.
+template <typename Body, typename... Pipes>
+__device__ __forceinline__ void for_each_row(long long rows, const Coords& at, Body&& body, Pipes&... pipes) {
+  const long long stride = at.groups * ROWS_PER_CTA;
+  const long long first = at.group * ROWS_PER_CTA + at.warp_m;
+#pragma unroll
+  for (int k = 0; k < STAGES - 1; ++k) {
+    (pipes.fetch(k, first + k * stride, at), ...);
+    if constexpr (STAGES > 1) cp_async_commit();
+  }
+  int stage = 0;
+  for (long long row = first; row - at.warp_m < rows; row += stride) {
+    if constexpr (STAGES > 1) {
+      const int ahead = stage == 0 ? STAGES - 1 : stage - 1;  // the stage read one iteration ago
+      (pipes.fetch(ahead, row + (STAGES - 1) * stride, at), ...);
+      cp_async_commit();
+      cp_async_wait<STAGES - 1>();
+    }
+    body(row, row < rows, stage);
+    stage = stage + 1 == STAGES ? 0 : stage + 1;
+  }
+  if constexpr (STAGES > 1) cp_async_wait<0>();
 }
 
 // gamma (or beta) at this thread's columns: held in registers for the whole

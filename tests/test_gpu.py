@@ -118,8 +118,10 @@ def test_forced_traits(rng):
 
     x = cupy.asarray(rng.standard_normal((100, 4096)).astype(dtypes.BFLOAT16))
     ref = cunorm.reference.layer_norm(x)[0]
-    for knobs in ({"warps_n": 2}, {"warps_n": 1, "warps_m": 4}, {"warps_n": 4, "ctas_per_row": 2},
-                  {"warps_n": 8, "bytes_per_ldg": 8}):
+    for knobs in ({"warps_n": 2}, {"warps_n": 4, "warps_m": 2}, {"warps_n": 4, "ctas_per_row": 2},
+                  {"warps_n": 8, "bytes_per_ldg": 8}, {"warps_n": 4, "stages": 1}, {"warps_n": 4, "stages": 4},
+                  {"warps_n": 2, "ctas_per_row": 4, "stages": 3, "cache_weights": False},
+                  {"warps_n": 4, "min_ctas_per_sm": 2, "bytes_per_ldg": 4}):
         assert check.rel_l2(cunorm.layer_norm(x, traits=knobs), ref) < 8e-3
     t = cunorm.Traits(hidden_size=4096, input_dtype="bfloat16", output_dtype="bfloat16", warps_n=4,
                       has_weight=False, has_bias=False)
@@ -128,6 +130,29 @@ def test_forced_traits(rng):
         cunorm.layer_norm(x, traits=t.replace(hidden_size=2048))
     with pytest.raises(ValueError, match="illegal traits"):
         cunorm.layer_norm(x, traits={"warps_n": 64})
+
+
+@pytest.mark.parametrize("knobs", [
+    {"warps_n": 4, "stages": 1}, {"warps_n": 4, "stages": 4, "smem_accumulators": True},
+    {"warps_n": 2, "warps_m": 2, "stages": 2, "smem_accumulators": True},
+    {"warps_n": 1, "warps_m": 4, "stages": 3, "cache_weights": False},
+    {"warps_n": 2, "ctas_per_row": 4, "stages": 2, "smem_accumulators": True},
+    {"warps_n": 4, "ctas_per_row": 2, "stages": 1, "min_ctas_per_sm": 2}])
+def test_backward_knobs(knobs, rng):
+    """Every backward variant (staging, shared-memory sums, folds, clusters) against the reference."""
+    import cupy
+
+    for n, m in ((4096, 777), (1000, 50)):
+        case = check.Case("layer_norm_backward", n, m, "bfloat16", "float32")
+        x, w, _ = check._inputs(case, rng)
+        dy = cupy.asarray(rng.standard_normal(x.shape).astype(x.dtype))
+        _, mean, rstd = cunorm.reference.layer_norm(x, w)
+        mean, rstd = mean.astype(np.float32), rstd.astype(np.float32)
+        with check.poisoned_allocations():
+            got = cunorm.layer_norm_backward(dy, x, mean, rstd, w, traits=knobs)
+        want = cunorm.reference.layer_norm_backward(dy, x, mean, rstd, w)
+        for g, r, tol in zip(got, want, (8e-3, 1e-5, 1e-5)):
+            assert check.rel_l2(g, r) < tol, (knobs, n)
 
 
 def test_gpu_bad_inputs():

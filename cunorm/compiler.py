@@ -138,7 +138,7 @@ def _load(traits, device_id: int) -> dict:
                 fn = module.get_function(name)
             except cupy.cuda.compiler.CompileException as e:
                 raise CompileError(f"{traits.short()} failed to compile: {e}") from None
-            if smem > 48 * 1024:  # above 48 KB, dynamic shared memory must be asked for
+            if smem:  # static + dynamic above 48 KB must be asked for; asking is harmless below
                 fn.max_dynamic_shared_size_bytes = smem
             out[name] = Kernel(fn, threads, smem, _blocks_per_sm(fn, threads, smem), sm_count)
     return out

@@ -93,7 +93,7 @@ def _time_all(traits_list, fn_for, repeat, out):
 
 
 def tune(hidden_size: int, dtype: str = "bfloat16", backward: bool = False, elements: int = 2**26,
-         repeat: int = 10, keep: int = 3, out=sys.stdout) -> list:
+         repeat: int = 6, keep: int = 2, out=sys.stdout) -> list:
     """[(ms, traits)] sorted fastest first: every shape, then the extras on the `keep` fastest shapes."""
     import cupy
 

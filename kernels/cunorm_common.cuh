@@ -47,6 +47,10 @@ template <typename T> struct Packed;
 template <> struct Packed<float> {
   static __device__ __forceinline__ float get(const unsigned* w, int i) { return __uint_as_float(w[i]); }
   static __device__ __forceinline__ void set(unsigned* w, int i, float v) { w[i] = __float_as_uint(v); }
+  static __device__ __forceinline__ void set2(unsigned* w, int i, float lo, float hi) {
+    w[i] = __float_as_uint(lo);
+    w[i + 1] = __float_as_uint(hi);
+  }
 };
 template <> struct Packed<cn_bf16> {
   static __device__ __forceinline__ float get(const unsigned* w, int i) {
@@ -56,6 +60,10 @@ template <> struct Packed<cn_bf16> {
     const unsigned bits = from_float<cn_bf16>(v).bits;
     w[i / 2] = i % 2 ? (w[i / 2] & 0xffffu) | (bits << 16) : (w[i / 2] & 0xffff0000u) | bits;
   }
+  // Elements i (even) and i + 1 in one instruction.
+  static __device__ __forceinline__ void set2(unsigned* w, int i, float lo, float hi) {
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(w[i / 2]) : "f"(hi), "f"(lo));
+  }
 };
 template <> struct Packed<cn_half> {
   static __device__ __forceinline__ float get(const unsigned* w, int i) {
@@ -64,6 +72,9 @@ template <> struct Packed<cn_half> {
   static __device__ __forceinline__ void set(unsigned* w, int i, float v) {
     const unsigned bits = from_float<cn_half>(v).bits;
     w[i / 2] = i % 2 ? (w[i / 2] & 0xffffu) | (bits << 16) : (w[i / 2] & 0xffff0000u) | bits;
+  }
+  static __device__ __forceinline__ void set2(unsigned* w, int i, float lo, float hi) {
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(w[i / 2]) : "f"(hi), "f"(lo));
   }
 };
 
@@ -107,6 +118,16 @@ struct Vec {
   __device__ __forceinline__ float get(int i) const { return Packed<T>::get(words, i); }
   __device__ __forceinline__ void set(int i, float v) { Packed<T>::set(words, i, v); }
   __device__ __forceinline__ void add(int i, float v) { set(i, get(i) + v); }
+  // All elements at once: 16-bit types convert two per instruction.
+  __device__ __forceinline__ void set_all(const float (&v)[N]) {
+    if constexpr (N % 2 == 0) {
+#pragma unroll
+      for (int i = 0; i < N; i += 2) Packed<T>::set2(words, i, v[i], v[i + 1]);
+    } else {
+#pragma unroll
+      for (int i = 0; i < N; ++i) set(i, v[i]);
+    }
+  }
 };
 
 // Asynchronous global -> shared copies (sm_80+): the data skips registers, so

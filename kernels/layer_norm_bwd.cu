@@ -100,8 +100,8 @@ layer_norm_bwd(const output_t* __restrict__ dy, const input_t* __restrict__ x,
     GradVec dyv[LDGS];
     xs.read(stage, row, xv, at);
     dys.read(stage, row, dyv, at);
-    const float mu = row_ok ? mean[row] : 0.f;
     const float rs = row_ok ? rstd[row] : 0.f;
+    const float mu = row_ok ? mean[row] : 0.f;  // xhat = (x - mu) * rs, exact even when |mu| >> std
 
     float sums[2] = {0.f, 0.f};  // sum(g), sum(g * xhat)
 #pragma unroll
@@ -114,7 +114,7 @@ layer_norm_bwd(const output_t* __restrict__ dy, const input_t* __restrict__ x,
         const float d = dyv[it].get(e);
         const float g = HAS_WEIGHT ? d * wv.get(e) : d;
         sums[0] += g;
-        sums[1] += g * xhat;
+        sums[1] = fmaf(g, xhat, sums[1]);
         dg.add(e, d * xhat);
         db.add(e, d);
       }
@@ -129,22 +129,24 @@ layer_norm_bwd(const output_t* __restrict__ dy, const input_t* __restrict__ x,
       dyv[it].opaque();
     }
     reducer.allreduce(sums, at);
-    const float mean_g = sums[0] * inv_cols;
-    const float mean_gx = sums[1] * inv_cols;
+    // dx = rs * (g - mean(g) - xhat * mean(g * xhat)) = a * g + c * xhat + b
+    const float a = rs, b = -rs * sums[0] * inv_cols, c = -rs * sums[1] * inv_cols;
 
     if (row_ok) {
 #pragma unroll
       for (int it = 0; it < LDGS; ++it) {
         if (!at.in_row(it)) continue;
-        InVec o;
         const WVec wv = w(it, at);
+        float out[ELTS_PER_LDG];
 #pragma unroll
         for (int e = 0; e < ELTS_PER_LDG; ++e) {
           const float xhat = (xv[it].get(e) - mu) * rs;
           const float d = dyv[it].get(e);
           const float g = HAS_WEIGHT ? d * wv.get(e) : d;
-          o.set(e, rs * (g - mean_g - xhat * mean_gx));
+          out[e] = fmaf(a, g, fmaf(c, xhat, b));
         }
+        InVec o;
+        o.set_all(out);
         o.store(dx + row * lddx, at.vec(it));
       }
     }

@@ -55,15 +55,17 @@ layer_norm_fwd(const input_t* __restrict__ x, const weight_t* __restrict__ gamma
 #pragma unroll
       for (int it = 0; it < LDGS; ++it) {
         if (!at.in_row(it)) continue;
-        OutVec o;
         const WVec wv = w(it, at), bv = b(it, at);
+        float out[ELTS_PER_LDG];
 #pragma unroll
         for (int e = 0; e < ELTS_PER_LDG; ++e) {
-          float t = (v[it].get(e) - mean) * rstd;
-          if (HAS_WEIGHT) t *= wv.get(e);
-          if (HAS_BIAS) t += bv.get(e);
-          o.set(e, t);
+          // (x - mean) * rstd, not x * rstd - mean * rstd: exact even when |mean| >> std.
+          const float xhat = (v[it].get(e) - mean) * rstd;
+          out[e] = HAS_WEIGHT ? (HAS_BIAS ? fmaf(xhat, wv.get(e), bv.get(e)) : xhat * wv.get(e))
+                              : (HAS_BIAS ? xhat + bv.get(e) : xhat);
         }
+        OutVec o;
+        o.set_all(out);
         o.store(y + row * ldy, at.vec(it));
       }
       if (at.row_leader()) {

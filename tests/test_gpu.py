@@ -65,6 +65,26 @@ def test_backward_bitwise_deterministic(n, dtype, rng):
                                     b.view(np.uint16 if b.itemsize == 2 else np.uint32))
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_rows_far_from_zero_mean(dtype, rng):
+    """|mean| >> std: a one-pass or x*rstd - mean*rstd formulation loses digits here."""
+    import cupy
+
+    dt = dtypes.numpy_dtype(dtype)
+    for n in (1024, 8192):
+        x = cupy.asarray((1000 + rng.standard_normal((64, n)) * (8 if dtype == "bfloat16" else 1)).astype(dt))
+        w = cupy.asarray(rng.standard_normal(n).astype(dt))
+        y, mean, rstd = cunorm.layer_norm(x, w, return_stats=True)
+        y_ref, _, rstd_ref = cunorm.reference.layer_norm(x, w)
+        assert check.rel_l2(y, y_ref) < check.TOLERANCE[dtype]
+        assert check.rel_l2(rstd, rstd_ref) < 1e-5
+        dy = cupy.asarray(rng.standard_normal(x.shape).astype(dt))
+        got = cunorm.layer_norm_backward(dy, x, mean, rstd, w)
+        want = cunorm.reference.layer_norm_backward(dy, x, mean, rstd, w)
+        for g, r in zip(got, want):
+            assert check.rel_l2(g, r) < check.TOLERANCE[dtype]
+
+
 def test_large_row_count(rng):
     """M*N well past 2^31 elements' worth of bytes: 64-bit row offsets."""
     import cupy

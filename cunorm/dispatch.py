@@ -17,10 +17,12 @@ TUNED_SIZES = (768, 1024, 1536, 2048, 2304, 3072, 3840, 4096, 5120, 6144, 8192, 
                15360, 16384, 18432, 20480, 24576, 25600, 30720, 32768, 40960, 49152, 65536)
 
 # (backward, hidden size, input element bytes) -> knobs in KNOBS order:
-# (WARPS_M, WARPS_N, CTAS_PER_ROW, BYTES_PER_LDG, STAGES, CACHE_WEIGHTS, MIN_CTAS_PER_SM, SMEM_ACCUMULATORS).
+# (WARPS_M, WARPS_N, CTAS_PER_ROW, BYTES_PER_LDG, STAGES, CACHE_WEIGHTS, MIN_CTAS_PER_SM, SMEM_ACCUMULATORS
+# [, RECOMPUTE: default True]).
 # Measured with scripts/tune_table.sh on an H200 (bf16, M*N = 2^26; 2-byte inputs share the entries), 2026-11-22;
 # the comment is the fraction of a same-run device-to-device copy the tuner measured. 4-byte inputs use the
 # heuristic until tuned.
+TUNED_ARCH = 90  # other architectures use the heuristic
 TUNED: dict = {
     (False,   768, 2): (2, 2, 1, 8, 2, 1, 1, 0),  # 0.90 of copy
     (True ,   768, 2): (4, 1, 1, 16, 2, 1, 1, 0),  # 0.90 of copy
@@ -96,10 +98,15 @@ def choose(hidden_size: int, input_dtype: str, weight_dtype: str, output_dtype: 
     """(Traits, source) for a call, source being "tuned" or "heuristic"."""
     base = dict(hidden_size=hidden_size, input_dtype=input_dtype, weight_dtype=weight_dtype,
                 output_dtype=output_dtype, has_weight=has_weight, has_bias=has_bias, backward=backward)
-    knobs = tuned_knobs(backward, hidden_size, input_dtype)
+    knobs = tuned_knobs(backward, hidden_size, input_dtype) if arch == TUNED_ARCH else None
     if knobs is not None:
         try:  # a tuned shape may not suit every dtype mix or GPU (registers, shared memory, clusters)
             t = Traits(**base, **dict(zip(KNOBS, knobs)))
+            if dtypes.itemsize(weight_dtype) > dtypes.itemsize(input_dtype):
+                # Wider weights than the tuned case: never hold them, and no 64-register CTAs.
+                t = t.replace(cache_weights=False)
+                if t.threads_per_cta > 512:
+                    raise ValueError("1024-thread CTAs spill with wide weights")
             t.check_arch(arch)
             return t, "tuned"
         except ValueError:
@@ -138,9 +145,10 @@ def heuristic(*, hidden_size: int, input_dtype: str, backward: bool = False, arc
         raise ValueError(f"x: hidden size {hidden_size} ({input_dtype}, {'backward' if backward else 'forward'}) "
                          f"does not fit the register-resident kernel on sm_{arch} (at most 8 CTAs of a "
                          f"cluster on sm_90, one CTA before it)")
-    # Wide CTAs get few registers per thread: there, weights are re-read instead of held.
+    # Wide CTAs get few registers per thread: there, weights are re-read instead
+    # of held, and the backward keeps its column sums in shared memory.
     if best.threads_per_cta > 256:
-        best = best.replace(cache_weights=False)
+        best = best.replace(cache_weights=False, smem_accumulators=backward)
     if best.ctas_per_row == 1:
         warps_m = max(1, MIN_THREADS_PER_CTA // best.threads_per_row)
         while warps_m > 1:

@@ -23,7 +23,7 @@ DEFAULT_SMEM_LIMIT = 99 * 1024
 CLUSTER_MIN_ARCH = 90
 # The independent launch-shape knobs (what tuning varies and `traits=` may force).
 KNOBS = ("warps_m", "warps_n", "ctas_per_row", "bytes_per_ldg", "stages", "cache_weights", "min_ctas_per_sm",
-         "smem_accumulators")
+         "smem_accumulators", "recompute")
 # Warps of the backward's finalize kernel (each sums a slice of the partial rows).
 FINALIZE_WARPS = 16
 
@@ -46,6 +46,8 @@ class Traits:
       this many CTAs fit on an SM (the compiler recomputes instead of holding).
     smem_accumulators: (backward) keep the per-column dgamma/dbeta sums in shared
       memory instead of registers (frees two registers per element).
+    recompute: (backward) recompute xhat and dy * gamma after the row reduction
+      (fewer registers) instead of holding them (fewer instructions).
     has_weight / has_bias: whether gamma / beta are present.
     backward: the backward kernel (dx, dgamma, dbeta) rather than the forward.
     """
@@ -63,6 +65,7 @@ class Traits:
     cache_weights: bool = True
     min_ctas_per_sm: int = 1
     smem_accumulators: bool = False
+    recompute: bool = True
     has_weight: bool = True
     has_bias: bool = True
     backward: bool = False
@@ -172,6 +175,7 @@ class Traits:
              "MIN_CTAS_PER_SM must be >= 1 and fit 2048 threads per SM")
         rule(self.smem_bytes <= SMEM_LIMIT[90], f"{self.smem_bytes} bytes of shared memory exceed 227 KB")
         rule(self.backward or not self.smem_accumulators, "smem_accumulators is a backward knob")
+        rule(self.backward or self.recompute, "recompute is a backward knob")
 
     def check_arch(self, arch: int):
         """Rules that depend on the GPU: clusters need sm_90 or newer."""
@@ -191,7 +195,7 @@ class Traits:
         return (f"N={self.hidden_size} {self.input_dtype}/{self.weight_dtype}->{self.output_dtype} "
                 f"WARPS_M={self.warps_m} WARPS_N={self.warps_n} CTAS_PER_ROW={self.ctas_per_row} "
                 f"BYTES_PER_LDG={self.bytes_per_ldg} STAGES={self.stages} CACHE_WEIGHTS={int(self.cache_weights)} "
-                f"MIN_CTAS_PER_SM={self.min_ctas_per_sm}" + (" SMEM_ACCUMULATORS=1" if self.smem_accumulators else ""))
+                f"MIN_CTAS_PER_SM={self.min_ctas_per_sm}" + (" SMEM_ACCUMULATORS=1" if self.smem_accumulators else "") + ("" if self.recompute else " RECOMPUTE=0"))
 
     def knobs(self) -> dict:
         return {k: getattr(self, k) for k in KNOBS}
@@ -220,6 +224,7 @@ class Traits:
             "MIN_CTAS_PER_SM": self.min_ctas_per_sm,
             "STAGES": self.stages,
             "SMEM_ACCUMULATORS": "true" if self.smem_accumulators else "false",
+            "RECOMPUTE": "true" if self.recompute else "false",
             "LDGS": self.ldgs,
             "THREADS_PER_CTA": self.threads_per_cta,
             "ELTS_PER_THREAD": self.elts_per_thread,

@@ -14,7 +14,7 @@ from .traits import Traits
 
 SHAPES = dict(ctas_per_row=(1, 2, 4, 8), warps_n=(1, 2, 4, 8, 16, 32), warps_m=(1, 2, 4, 8), bytes_per_ldg=(16, 8))
 EXTRAS = dict(stages=(1, 2, 3, 4), min_ctas_per_sm=(1, 2), cache_weights=(True, False),
-              smem_accumulators=(False, True))
+              smem_accumulators=(False, True), recompute=(True, False))
 
 
 def _legal(base: dict, **knobs):
@@ -45,12 +45,12 @@ def candidates(hidden_size: int, dtype: str, backward: bool, arch: int = 90):
 def refinements(shape: Traits):
     """Phase 2: the extras (stages, register cap, weight caching, shared-memory sums) on one shape."""
     out = []
-    for stages, min_ctas, cache, smem_acc in itertools.product(*EXTRAS.values()):
-        if smem_acc and not shape.backward:
+    for stages, min_ctas, cache, smem_acc, recompute in itertools.product(*EXTRAS.values()):
+        if (smem_acc or not recompute) and not shape.backward:
             continue
         try:
             t = shape.replace(stages=stages, min_ctas_per_sm=min_ctas, cache_weights=cache,
-                              smem_accumulators=smem_acc)
+                              smem_accumulators=smem_acc, recompute=recompute)
         except ValueError:
             continue
         if 65536 // (min_ctas * t.threads_per_cta) >= 64:  # a cap below 64 registers only spills

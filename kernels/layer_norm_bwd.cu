@@ -12,6 +12,7 @@
 #include "norm_traits.cuh"
 
 constexpr bool SMEM_ACCUMULATORS = ${SMEM_ACCUMULATORS};
+constexpr bool RECOMPUTE = ${RECOMPUTE};  // recompute xhat and g after the reduction instead of holding them
 using AccVec = Vec<float, ELTS_PER_LDG>;
 // Column-sum slots of a CTA in shared memory: [2 (dgamma, dbeta)][WARPS_M][LDGS][THREADS_PER_ROW]
 // vectors. Used by the accumulators themselves, or (in registers) to fold WARPS_M rows into one.
@@ -121,12 +122,15 @@ layer_norm_bwd(const output_t* __restrict__ dy, const input_t* __restrict__ x,
       if (HAS_WEIGHT) dgamma_acc.put(it, dg);
       if (HAS_BIAS) dbeta_acc.put(it, db);
     }
-    // Recompute xhat and g from the packed inputs below rather than keep
-    // fp32 copies live across the reduction.
+    // RECOMPUTE: derive xhat and g again from the packed inputs below rather
+    // than keep fp32 copies live across the reduction (fewer registers, more
+    // instructions); otherwise the compiler keeps them.
+    if constexpr (RECOMPUTE) {
 #pragma unroll
-    for (int it = 0; it < LDGS; ++it) {
-      xv[it].opaque();
-      dyv[it].opaque();
+      for (int it = 0; it < LDGS; ++it) {
+        xv[it].opaque();
+        dyv[it].opaque();
+      }
     }
     reducer.allreduce(sums, at);
     // dx = rs * (g - mean(g) - xhat * mean(g * xhat)) = a * g + c * xhat + b

@@ -68,7 +68,6 @@ def layer_norm_cases(sizes=BENCH_SIZES, dtype: str = "bfloat16", weight_dtype: s
         e = dt.itemsize
         yield "layer_norm fwd", n, 2 * m * n * e + 8 * m, lambda: layer_norm(x, w, b, return_stats=True)
         yield "layer_norm bwd", n, 3 * m * n * e + 8 * m, lambda: layer_norm_backward(dy, x, mean, rstd, w)
-        del x, dy
 
 
 def run(sizes=BENCH_SIZES, dtype="bfloat16", weight_dtype=None, repeat=20, out=sys.stdout) -> dict:

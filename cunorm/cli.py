@@ -162,6 +162,7 @@ def info(as_json):
 
     out = {"cunorm": __version__, "python": platform.python_version(), "numpy": np.__version__,
            "kernels": str(kernel_dir())}
+    cupy = None
     try:
         import cupy
 
@@ -174,8 +175,6 @@ def info(as_json):
         out["nvrtc"] = f"unavailable ({type(e).__name__}: {e})"
     out["gpus"] = []
     for i in range(gpu_count()):
-        import cupy
-
         d = cupy.cuda.Device(i)
         props = cupy.cuda.runtime.getDeviceProperties(i)
         out["gpus"].append({"id": i, "name": props["name"].decode(), "arch": f"sm_{d.compute_capability}",

@@ -152,8 +152,8 @@ def layer_norm(x, weight=None, bias=None, eps=1e-5, *, return_stats=False, out_d
         _gpu_requirements(t, args)
         rows = math.prod(lead)
         y = cupy.empty(lead + (n,), dtype=dtypes.numpy_dtype(y_dtype))
-        mean = cupy.empty(lead, dtype=np.float32) if return_stats else None
-        rstd = cupy.empty(lead, dtype=np.float32) if return_stats else None
+        stats = cupy.empty((2,) + lead, dtype=np.float32) if return_stats else None  # one allocation
+        mean, rstd = (stats[0], stats[1]) if return_stats else (None, None)
         if rows:
             k = kernels["layer_norm_fwd"]
             grid = _grid_groups(k, t, rows) * t.ctas_per_row
@@ -202,8 +202,9 @@ def layer_norm_backward(dy, x, mean, rstd, weight=None, *, has_bias=True, traits
         rows = math.prod(lead)
         wt = dtypes.numpy_dtype(w_dtype)
         dx = cupy.empty(X.array.shape, dtype=X.array.dtype)
-        dweight = cupy.empty((n,), dtype=wt) if t.has_weight else None
-        dbias = cupy.empty((n,), dtype=wt) if t.has_bias else None
+        grads = cupy.empty((2, n), dtype=wt) if (t.has_weight or t.has_bias) else None  # one allocation
+        dweight = grads[0] if t.has_weight else None
+        dbias = grads[1] if t.has_bias else None
         if rows == 0:  # no rows: empty dx, and the column sums of nothing are zero
             for a in (dweight, dbias):
                 if a is not None:
@@ -219,5 +220,5 @@ def layer_norm_backward(dy, x, mean, rstd, weight=None, *, has_bias=True, traits
            np.int64(rows), np.int64(n), np.int64(n), np.int64(n)))
         if partials is not None:
             fin = kernels["layer_norm_bwd_finalize"]
-            fin(-(-n // 32), (dgamma_part, dbeta_part, np.int32(parts), _ptr(dweight), _ptr(dbias)))
+            fin(-(-n // t.finalize_cols_per_cta), (dgamma_part, dbeta_part, np.int32(parts), _ptr(dweight), _ptr(dbias)))
     return dx, dweight, dbias

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from functools import cached_property
 
 from . import dtypes
 
@@ -24,7 +23,8 @@ CLUSTER_MIN_ARCH = 90
 # The independent launch-shape knobs (what tuning varies and `traits=` may force).
 KNOBS = ("warps_m", "warps_n", "ctas_per_row", "bytes_per_ldg", "stages", "cache_weights", "min_ctas_per_sm",
          "smem_accumulators", "recompute")
-# Warps of the backward's finalize kernel (each sums a slice of the partial rows).
+# The backward's finalize kernel: warps per CTA (each sums a slice of the partial
+# rows) and columns per CTA (32 lanes x 4 neighbours, or 1 when N % 4 != 0).
 FINALIZE_WARPS = 16
 
 
@@ -135,6 +135,10 @@ class Traits:
         """The kernels/ file these traits render."""
         return "layer_norm_bwd.cu" if self.backward else "layer_norm_fwd.cu"
 
+    @property
+    def finalize_cols_per_cta(self) -> int:
+        return 32 * (4 if self.hidden_size % 4 == 0 else 1)
+
     def launches(self) -> dict:
         """{kernel name: (threads per CTA, dynamic shared memory bytes)} for the
         extern "C" kernels of source_file."""
@@ -230,5 +234,6 @@ class Traits:
             "ELTS_PER_THREAD": self.elts_per_thread,
             "SMEM_BYTES": self.smem_bytes,
             "FINALIZE_WARPS": FINALIZE_WARPS,
+            "FINALIZE_COLS_PER_CTA": self.finalize_cols_per_cta,
         }
 

@@ -178,34 +178,53 @@ layer_norm_bwd(const output_t* __restrict__ dy, const input_t* __restrict__ x,
 }
 
 // Sums the [parts, COLS] partials column by column into dgamma and dbeta, in
-// the weight dtype. A CTA owns 32 columns; its warps take interleaved rows of
-// partials, then warp 0 adds the warps' results in order.
+// the weight dtype. A CTA owns 32 * FIN_VEC columns (each lane FIN_VEC
+// neighbours, one vector load per partial row); its warps take interleaved
+// partial rows, then warp 0 adds the warps' results in warp order.
 constexpr int FINALIZE_WARPS = ${FINALIZE_WARPS};
+constexpr int FIN_VEC = COLS % 4 == 0 ? 4 : 1;
+using FinVec = Vec<float, FIN_VEC>;
+static_assert(32 * FIN_VEC == ${FINALIZE_COLS_PER_CTA}, "cunorm.Traits.finalize_cols_per_cta disagrees");
 
 extern "C" __global__ void __launch_bounds__(FINALIZE_WARPS * 32)
 layer_norm_bwd_finalize(const float* __restrict__ dgamma_part, const float* __restrict__ dbeta_part,
                         int parts, weight_t* __restrict__ dgamma, weight_t* __restrict__ dbeta) {
-  __shared__ float warp_sums[2][FINALIZE_WARPS][32];
+  __shared__ FinVec warp_sums[2][FINALIZE_WARPS][32];
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  const int col = blockIdx.x * 32 + lane;
-  float sg = 0.f, sb = 0.f;
-  if (col < COLS) {
+  const int vec = blockIdx.x * 32 + lane;  // in units of FIN_VEC columns
+  const bool ok = vec < COLS / FIN_VEC;
+  FinVec sg, sb;
+  sg.zero();
+  sb.zero();
+  if (ok) {
     for (int p = warp; p < parts; p += FINALIZE_WARPS) {
-      if (HAS_WEIGHT) sg += dgamma_part[static_cast<long long>(p) * COLS + col];
-      if (HAS_BIAS) sb += dbeta_part[static_cast<long long>(p) * COLS + col];
+      FinVec g, b;
+      if (HAS_WEIGHT) g.load(dgamma_part + static_cast<long long>(p) * COLS, vec);
+      if (HAS_BIAS) b.load(dbeta_part + static_cast<long long>(p) * COLS, vec);
+#pragma unroll
+      for (int e = 0; e < FIN_VEC; ++e) {
+        if (HAS_WEIGHT) sg.add(e, g.get(e));
+        if (HAS_BIAS) sb.add(e, b.get(e));
+      }
     }
   }
   warp_sums[0][warp][lane] = sg;
   warp_sums[1][warp][lane] = sb;
   __syncthreads();
-  if (warp == 0 && col < COLS) {
-    sg = sb = 0.f;
+  if (warp == 0 && ok) {
+    sg.zero();
+    sb.zero();
 #pragma unroll
-    for (int w = 0; w < FINALIZE_WARPS; ++w) {
-      sg += warp_sums[0][w][lane];
-      sb += warp_sums[1][w][lane];
+    for (int w = 0; w < FINALIZE_WARPS; ++w)
+#pragma unroll
+      for (int e = 0; e < FIN_VEC; ++e) {
+        sg.add(e, warp_sums[0][w][lane].get(e));
+        sb.add(e, warp_sums[1][w][lane].get(e));
+      }
+#pragma unroll
+    for (int e = 0; e < FIN_VEC; ++e) {
+      if (HAS_WEIGHT) dgamma[vec * FIN_VEC + e] = from_float<weight_t>(sg.get(e));
+      if (HAS_BIAS) dbeta[vec * FIN_VEC + e] = from_float<weight_t>(sb.get(e));
     }
-    if (HAS_WEIGHT) dgamma[col] = from_float<weight_t>(sg);
-    if (HAS_BIAS) dbeta[col] = from_float<weight_t>(sb);
   }
 }

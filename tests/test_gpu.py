@@ -156,7 +156,7 @@ def test_forced_traits(rng):
 @pytest.mark.parametrize("knobs", [
     {"warps_n": 4, "stages": 1}, {"warps_n": 4, "stages": 4, "smem_accumulators": True},
     {"warps_n": 4, "warps_m": 2, "stages": 2, "smem_accumulators": True},
-    {"warps_n": 4, "warps_m": 4, "stages": 3, "cache_weights": False, "recompute": False},
+    {"warps_n": 4, "warps_m": 2, "stages": 3, "cache_weights": False, "recompute": False},
     {"warps_n": 2, "ctas_per_row": 4, "stages": 2, "smem_accumulators": True},
     {"warps_n": 4, "ctas_per_row": 2, "stages": 1, "min_ctas_per_sm": 2}])
 def test_backward_knobs(knobs, rng):

@@ -84,7 +84,8 @@ def _resolve(traits, base: dict, device_id: int):
 
 
 def _gpu_requirements(traits: Traits, args: dict):
-    """What the kernels assume of GPU arrays: contiguous rows, vector-aligned pointers."""
+    """What the kernels assume of GPU arrays: contiguous, and the row-vector
+    arguments aligned to their vector loads (mean and rstd are read singly)."""
     if traits.hidden_size % 8:
         raise ValueError(f"x: hidden size {traits.hidden_size} is not a multiple of 8; other sizes come with the "
                          f"general kernel and are not supported on the GPU yet")
@@ -94,7 +95,8 @@ def _gpu_requirements(traits: Traits, args: dict):
         if not a.array.flags.c_contiguous:
             raise ValueError(f"{a.name}: must be C-contiguous (strided layouts are not supported on the GPU yet); "
                              f"pass a contiguous copy")
-        arrays.check_aligned(a, min(16, traits.elts_per_ldg * a.array.itemsize))
+        vector_bytes = traits.elts_per_ldg * a.array.itemsize if a.name not in ("mean", "rstd") else 4
+        arrays.check_aligned(a, min(16, vector_bytes))
 
 
 def _grid_groups(kernel, traits: Traits, rows: int) -> int:

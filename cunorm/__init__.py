@@ -3,6 +3,7 @@
 Importing cunorm makes no CUDA call; kernels compile on first use.
 """
 from . import reference
+from .attention_delta import DeltaTraits, attention_delta
 from .compiler import CompileError, compile_only
 from .layer_norm import layer_norm, layer_norm_backward
 from .source import render
@@ -10,4 +11,4 @@ from .traits import Traits
 
 __version__ = "0.1.0"
 
-__all__ = ["CompileError", "reference", "Traits", "compile_only", "layer_norm", "layer_norm_backward", "render", "__version__"]
+__all__ = ["CompileError", "DeltaTraits", "attention_delta", "reference", "Traits", "compile_only", "layer_norm", "layer_norm_backward", "render", "__version__"]

@@ -2,6 +2,7 @@
 measured in the same run (bytes read + written, minimal counts)."""
 from __future__ import annotations
 
+import itertools
 import json
 import sys
 
@@ -10,6 +11,7 @@ import numpy as np
 from . import dtypes
 
 BENCH_SIZES = (768, 1024, 4096, 8192, 16384, 65536)
+DELTA_HEAD_DIMS = (64, 128, 256)
 ELEMENTS = 2**26
 
 
@@ -70,7 +72,22 @@ def layer_norm_cases(sizes=BENCH_SIZES, dtype: str = "bfloat16", weight_dtype: s
         yield "layer_norm bwd", n, 3 * m * n * e + 8 * m, lambda: layer_norm_backward(dy, x, mean, rstd, w)
 
 
-def run(sizes=BENCH_SIZES, dtype="bfloat16", weight_dtype=None, repeat=20, out=sys.stdout) -> dict:
+def delta_cases(head_dims=DELTA_HEAD_DIMS, dtype: str = "bfloat16"):
+    """Yields (name, K, bytes, fn) for attention_delta with ELEMENTS elements per input."""
+    import cupy
+
+    from .attention_delta import attention_delta
+
+    dt = dtypes.numpy_dtype(dtype)
+    for k in head_dims:
+        m = ELEMENTS // k
+        o = cupy.random.standard_normal((m, k), dtype=np.float32).astype(dt)
+        g = cupy.random.standard_normal((m, k), dtype=np.float32).astype(dt)
+        yield "attention_delta", k, 2 * m * k * dt.itemsize + 4 * m, lambda: attention_delta(o, g)
+
+
+def run(sizes=BENCH_SIZES, dtype="bfloat16", weight_dtype=None, repeat=20, out=sys.stdout,
+        head_dims=DELTA_HEAD_DIMS) -> dict:
     import cupy
 
     copy = copy_bandwidth()
@@ -79,8 +96,9 @@ def run(sizes=BENCH_SIZES, dtype="bfloat16", weight_dtype=None, repeat=20, out=s
     results = {"gpu": props["name"].decode(), "copy_gbps": copy / 1e9, "dtype": dtype,
                "weight_dtype": weight_dtype or dtype, "elements": ELEMENTS, "rows": []}
     print(f"# {results['gpu']}: device-to-device copy {copy / 1e9:.0f} GB/s (read + write)", file=out)
-    print(f"{'op':<16} {'N':>6} {'ms':>8} {'GB/s':>7} {'of copy':>7}", file=out)
-    for name, n, nbytes, fn in layer_norm_cases(sizes, dtype, weight_dtype):
+    print(f"{'op':<16} {'N or K':>6} {'ms':>8} {'GB/s':>7} {'of copy':>7}", file=out)
+    cases = itertools.chain(layer_norm_cases(sizes, dtype, weight_dtype), delta_cases(head_dims, dtype))
+    for name, n, nbytes, fn in cases:
         ms = median_ms(fn, repeat)
         bw = nbytes / (ms * 1e-3)
         row = {"op": name, "n": n, "ms": ms, "gbps": bw / 1e9, "fraction_of_copy": bw / copy}
@@ -93,13 +111,15 @@ def main(argv=None):
     import argparse
 
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--sizes", default=",".join(map(str, BENCH_SIZES)))
+    p.add_argument("--sizes", default=",".join(map(str, BENCH_SIZES)), help="LayerNorm hidden sizes ('' for none)")
+    p.add_argument("--head-dims", default=",".join(map(str, DELTA_HEAD_DIMS)), help="attention_delta head dims")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--weight-dtype", default=None)
     p.add_argument("--repeat", type=int, default=20)
     p.add_argument("--json", default=None, help="also write results to this file")
     a = p.parse_args(argv)
-    res = run(tuple(int(s) for s in a.sizes.split(",")), a.dtype, a.weight_dtype, a.repeat)
+    ints = lambda text: tuple(int(v) for v in text.split(",") if v)  # noqa: E731
+    res = run(ints(a.sizes), a.dtype, a.weight_dtype, a.repeat, head_dims=ints(a.head_dims))
     if a.json:
         with open(a.json, "w") as f:
             json.dump(res, f, indent=1)

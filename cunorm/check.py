@@ -17,13 +17,22 @@ from . import dispatch, dtypes, reference
 
 # Relative L2 error allowed for outputs written in each dtype.
 TOLERANCE = {"float32": 1e-5, "float16": 1e-3, "bfloat16": 8e-3}
+# attention_delta sums in fp32 whatever the inputs: tighter than the output-dtype table.
+DELTA_TOLERANCE_FP32, DELTA_TOLERANCE = 1e-6, 1e-5
 DEFAULT_ROWS = (1, 37, 4096)
 HEURISTIC_SAMPLE = (8, 40, 200, 1000, 1160, 4104, 7168)
 
 
+DELTA_HEAD_DIMS = (1, 3, 8, 63, 64, 80, 96, 128, 192, 256, 512)
+OPS = ("layer_norm", "layer_norm_backward", "attention_delta")
+
+
 @dataclass(frozen=True)
 class Case:
-    op: str  # "layer_norm" (forward) or "layer_norm_backward"
+    """One checker case. For attention_delta, hidden_size is the head dim,
+    dtype the dtype of `out` and weight_dtype that of `grad_out`."""
+
+    op: str  # one of OPS
     hidden_size: int
     rows: int
     dtype: str
@@ -32,6 +41,8 @@ class Case:
     has_bias: bool = True
 
     def label(self) -> str:
+        if self.op == "attention_delta":
+            return f"{self.op} K={self.hidden_size} M={self.rows} out={self.dtype} grad={self.weight_dtype}"
         flags = ("" if self.has_weight else " no-weight") + ("" if self.has_bias else " no-bias")
         return f"{self.op} N={self.hidden_size} M={self.rows} x={self.dtype} w={self.weight_dtype}{flags}"
 
@@ -85,14 +96,21 @@ def poisoned_allocations():
         cupy.cuda.set_allocator(allocator)
 
 
-def default_cases(sizes=None, rows=DEFAULT_ROWS, dtypes_=dtypes.NAMES, ops=("layer_norm", "layer_norm_backward"),
-                  heuristic=True) -> list:
-    """Tuned sizes (plus a heuristic sample) x dtypes x {input-dtype, fp32} weights x rows x ops."""
-    sizes = tuple(sizes) if sizes else dispatch.TUNED_SIZES + (HEURISTIC_SAMPLE if heuristic else ())
+def default_cases(sizes=None, rows=DEFAULT_ROWS, dtypes_=dtypes.NAMES, ops=OPS, heuristic=True) -> list:
+    """LayerNorm: tuned sizes (plus a heuristic sample) x dtypes x {input-dtype,
+    fp32} weights x rows. attention_delta: head dims x every (out, grad_out)
+    dtype pair x rows. `sizes` replaces both size lists."""
+    ln_sizes = tuple(sizes) if sizes else dispatch.TUNED_SIZES + (HEURISTIC_SAMPLE if heuristic else ())
     cases = []
-    for op, n, dt, m in itertools.product(ops, sizes, dtypes_, rows):
-        for wdt in dict.fromkeys((dt, "float32")):
-            cases.append(Case(op, n, m, dt, wdt))
+    for op in ops:
+        if op == "attention_delta":
+            for k, dt, gdt, m in itertools.product(tuple(sizes) if sizes else DELTA_HEAD_DIMS, dtypes_, dtypes_,
+                                                   rows):
+                cases.append(Case(op, k, m, dt, gdt))
+            continue
+        for n, dt, m in itertools.product(ln_sizes, dtypes_, rows):
+            for wdt in dict.fromkeys((dt, "float32")):
+                cases.append(Case(op, n, m, dt, wdt))
     return cases
 
 
@@ -118,9 +136,18 @@ def _inputs(case: Case, rng):
 
 def run_case(case: Case, rng=None) -> list:
     """Runs one case on the current GPU; a Result per output."""
+    from .attention_delta import attention_delta
     from .layer_norm import layer_norm, layer_norm_backward
 
     rng = rng or np.random.default_rng()
+    if case.op == "attention_delta":
+        g = _gpu_rng(rng)
+        o = g.standard_normal((case.rows, case.hidden_size), dtype="float32").astype(dtypes.numpy_dtype(case.dtype))
+        go = g.standard_normal(o.shape, dtype="float32").astype(dtypes.numpy_dtype(case.weight_dtype))
+        with poisoned_allocations():
+            d = attention_delta(o, go)
+        tol = DELTA_TOLERANCE_FP32 if (case.dtype, case.weight_dtype) == ("float32", "float32") else DELTA_TOLERANCE
+        return [Result(case, "delta", rel_l2(d, reference.attention_delta(o, go)), tol)]
     x, w, b = _inputs(case, rng)
     eps = 1e-5
     y_ref, mean_ref, rstd_ref = reference.layer_norm(x, w, b, eps)

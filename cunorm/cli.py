@@ -58,7 +58,8 @@ def main():
               "plus a heuristic sample).")
 @click.option("--rows", callback=_csv(int), help="Row counts, comma-separated (default: 1,37,4096).")
 @click.option("--dtypes", "dtype_names", callback=_csv(_dtype_list), help="Input dtypes: fp32,fp16,bf16 (default all).")
-@click.option("--op", "ops", type=click.Choice(["fwd", "bwd"]), multiple=True, help="Only these ops (repeatable).")
+@click.option("--op", "ops", type=click.Choice(["fwd", "bwd", "delta"]), multiple=True,
+              help="Only these ops (repeatable): LayerNorm fwd/bwd, attention delta.")
 @click.option("--seed", type=int, default=None, help="Random seed (default: fresh).")
 @click.option("--compile-only", is_flag=True, help="Compile every variant with NVRTC (no GPU) and report "
               "registers and spills.")
@@ -66,8 +67,10 @@ def main():
 @click.option("--json", "as_json", is_flag=True, help="Print results as JSON.")
 def check(sizes, rows, dtype_names, ops, seed, compile_only, arch, as_json):
     """Check the kernels against the float64 reference (exit 0: all pass, 1: a failure, 3: no GPU)."""
-    op_names = tuple({"fwd": "layer_norm", "bwd": "layer_norm_backward"}[o] for o in ops) or \
-        ("layer_norm", "layer_norm_backward")
+    from .check import OPS
+
+    op_names = tuple({"fwd": "layer_norm", "bwd": "layer_norm_backward", "delta": "attention_delta"}[o]
+                     for o in ops) or OPS
     if compile_only:
         sys.exit(_compile_only(sizes, dtype_names or dtypes.NAMES, op_names, _arch(arch), as_json))
     if gpu_count() == 0:
@@ -96,11 +99,18 @@ def check(sizes, rows, dtype_names, ops, seed, compile_only, arch, as_json):
 def _variants(sizes, dtype_names, op_names, arch):
     """(traits, source) of every dispatch entry the checker would run; a
     ValueError stands in for an entry with no legal traits on `arch`."""
-    from .check import HEURISTIC_SAMPLE
+    from .attention_delta import heuristic as delta_heuristic
+    from .check import DELTA_HEAD_DIMS, HEURISTIC_SAMPLE
 
-    sizes = tuple(sizes) if sizes else dispatch.TUNED_SIZES + HEURISTIC_SAMPLE
     for op in op_names:
-        for n in sizes:
+        if op == "attention_delta":
+            for k in sizes or DELTA_HEAD_DIMS:
+                for dt in dtype_names:
+                    for gdt in dtype_names:
+                        for cap in (16, 1):  # aligned layouts, and the narrowest (offset views)
+                            yield delta_heuristic(k, dt, gdt, cap), "heuristic"
+            continue
+        for n in sizes or dispatch.TUNED_SIZES + HEURISTIC_SAMPLE:
             for dt in dtype_names:
                 for wdt in dict.fromkeys((dt, "float32")):
                     try:
@@ -123,29 +133,28 @@ def _compile_only(sizes, dtype_names, op_names, arch, as_json) -> int:
                 report = compile_only(traits, arch)
             except (CompileError, ValueError) as e:
                 bad += 1
-                rows.append({"traits": traits.as_dict(), "source": source, "error": str(e), "ok": False})
+                rows.append({"label": traits.short(), "traits": traits.knobs(), "source": source, "error": str(e),
+                             "ok": False})
                 continue
             ok = report.clean
             bad += not ok
-            rows.append({"traits": traits.as_dict(), "source": source, "ok": ok,
+            rows.append({"label": traits.short(), "traits": traits.knobs(), "source": source, "ok": ok,
                          "functions": [f.__dict__ for f in report.functions]})
     if as_json:
         click.echo(json.dumps({"arch": arch, "variants": rows, "failed": bad}, indent=1))
     else:
-        click.echo(f"{'variant':<72} {'kernel':<24} {'regs':>4} {'stack':>5} {'spill':>5}  result")
+        click.echo(f"{'variant':<100} {'kernel':<24} {'regs':>4} {'stack':>5} {'spill':>5}  result")
         for r in rows:
             if r["source"] == "unsupported":
                 click.echo(f"unsupported on sm_{arch}: {r['error']}")
                 continue
-            t = r["traits"]
-            label = (f"{'bwd' if t['backward'] else 'fwd'} N={t['hidden_size']} {t['input_dtype']}/{t['weight_dtype']}"
-                     f" {t['warps_m']}x{t['warps_n']}x{t['ctas_per_row']} {t['bytes_per_ldg']}B ({r['source']})")
+            label = f"{r['label']} ({r['source']})"
             if "error" in r:
-                click.echo(f"{label:<72} ERROR {r['error'].splitlines()[0]}")
+                click.echo(f"{label:<100} ERROR {r['error'].splitlines()[0]}")
                 continue
             for f in r["functions"]:
                 spill = f["spill_stores"] + f["spill_loads"]
-                click.echo(f"{label:<72} {f['name']:<24} {f['registers']:>4} {f['stack_frame']:>5} {spill:>5}  "
+                click.echo(f"{label:<100} {f['name']:<24} {f['registers']:>4} {f['stack_frame']:>5} {spill:>5}  "
                            f"{'ok' if not spill and not f['stack_frame'] else 'FAIL'}")
         click.echo(f"{len(rows) - bad} passed, {bad} failed")
     return EXIT_FAIL if bad else 0

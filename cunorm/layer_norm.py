@@ -1,15 +1,12 @@
 """LayerNorm forward and backward: validate -> pick traits -> compiled kernel -> launch."""
 from __future__ import annotations
 
-import functools
 import math
-from collections.abc import Mapping
 
 import numpy as np
 
-from . import arrays, dispatch, dtypes, reference
-from .compiler import device_arch, kernels_for
-from .traits import KNOBS, Traits
+from . import arrays, dispatch, dtypes, plan, reference
+from .traits import Traits
 
 WEIGHT_DTYPES_NOTE = "the input dtype or float32"
 
@@ -50,37 +47,18 @@ def _check_eps(eps) -> float:
     return e
 
 
-@functools.lru_cache(maxsize=4096)
-def _plan(base: tuple, device_id: int, knobs: tuple | None):
-    """Traits and loaded kernels for a call signature on a device, cached so
-    that repeated calls skip dispatch and traits checks."""
-    fields = dict(base)
-    arch = device_arch(device_id)
-    if knobs is None:
-        traits, _ = dispatch.choose(arch=arch, **fields)
-    else:
-        traits = Traits(**fields, **dict(knobs))
-        traits.check_arch(arch)
-    return traits, kernels_for(traits, device_id)
+class _Family:
+    """LayerNorm's kernel family for cunorm.plan."""
+
+    traits_class = Traits
+
+    @staticmethod
+    def choose(arch: int, **base) -> Traits:
+        return dispatch.choose(arch=arch, **base)[0]
 
 
 def _resolve(traits, base: dict, device_id: int):
-    """Forced traits: a Traits (must match the call) or a mapping of knobs."""
-    key = tuple(sorted(base.items()))
-    if traits is None:
-        return _plan(key, device_id, None)
-    if isinstance(traits, Traits):
-        for field, want in base.items():
-            have = getattr(traits, field)
-            if have != want:
-                raise ValueError(f"traits: {field}={have!r} does not match this call ({want!r})")
-        return _plan(key, device_id, tuple(sorted(traits.knobs().items())))
-    if isinstance(traits, Mapping):
-        unknown = set(traits) - set(KNOBS)
-        if unknown:
-            raise ValueError(f"traits: unknown knobs {sorted(unknown)}; expected some of {list(KNOBS)}")
-        return _plan(key, device_id, tuple(sorted(traits.items())))
-    raise TypeError(f"traits: expected a cunorm.Traits or a mapping of knobs, got {type(traits).__name__}")
+    return plan.resolve(_Family, traits, base, device_id)
 
 
 def _gpu_requirements(traits: Traits, args: dict):

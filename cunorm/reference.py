@@ -37,3 +37,8 @@ def layer_norm_backward(dy, x, mean, rstd, weight=None):
     dweight = (dy * xhat).sum(axis=lead) if weight is not None else None
     dbias = dy.sum(axis=lead)
     return dx, dweight, dbias
+
+
+def attention_delta(out, grad_out):
+    """D = rowsum(out * grad_out) over the last axis, float64."""
+    return (_f64(out) * _f64(grad_out)).sum(axis=-1)

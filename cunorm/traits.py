@@ -70,6 +70,8 @@ class Traits:
     has_bias: bool = True
     backward: bool = False
 
+    KNOBS = KNOBS  # what `traits=` may force and tuning varies
+
     def __post_init__(self):
         for field in ("input_dtype", "weight_dtype", "output_dtype", "compute_dtype"):
             object.__setattr__(self, field, dtypes.name_of(getattr(self, field)))

@@ -47,7 +47,7 @@ def test_check_compile_only_json():
                                         "--json"])
     assert res.exit_code == 0, res.output
     out = json.loads(res.stdout)
-    assert out["failed"] == 0 and len(out["variants"]) == 2 * 2 * 2  # sizes x weight dtypes x ops
+    assert out["failed"] == 0 and len(out["variants"]) == 2 * 2 * 2 + 2 * 2  # LN: sizes x weight dtypes x ops; delta: sizes x caps
     assert all(v["ok"] for v in out["variants"])
 
 

@@ -1,0 +1,230 @@
+"""Attention-backward row delta D = rowsum(dO * O): traits, dispatch, the op.
+
+The traits mirror kernels/attention_delta.cu (its static_asserts are restated
+here); the op shares validation, planning, compiling and launching with the
+normalization family.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import arrays, dtypes, plan, reference
+
+MAX_LEAD_AXES = 3  # leading axes the kernel indexes with their own strides
+# Elements of each input one thread holds (VECS_PER_THREAD * ELTS_PER_LDG * ROWS_PER_THREAD).
+MAX_ELTS_PER_THREAD = 64
+# Loads in flight per thread the heuristic aims for (both inputs, all rows).
+TARGET_BYTES_IN_FLIGHT = 256
+HEURISTIC_THREADS_PER_CTA = 256
+MAX_ROWS_PER_THREAD = 4  # more only adds registers (and, at 8 fp32 rows, a spill)
+
+
+@dataclass(frozen=True)
+class DeltaTraits:
+    """Knobs of the attention-delta kernel. head_dim: K; out_dtype and
+    grad_dtype: the two inputs; threads_per_row: threads sharing a row (power
+    of two <= 32); elts_per_ldg: elements per vector load (both inputs);
+    rows_per_thread: rows whose loads a thread issues together;
+    threads_per_cta: CTA size."""
+
+    KNOBS = ("threads_per_row", "elts_per_ldg", "rows_per_thread", "threads_per_cta")
+
+    head_dim: int
+    out_dtype: str = "bfloat16"
+    grad_dtype: str = "bfloat16"
+    threads_per_row: int = 8
+    elts_per_ldg: int = 8
+    rows_per_thread: int = 4
+    threads_per_cta: int = HEURISTIC_THREADS_PER_CTA
+
+    def __post_init__(self):
+        for field in ("out_dtype", "grad_dtype"):
+            object.__setattr__(self, field, dtypes.name_of(getattr(self, field)))
+        self._check()
+
+    @property
+    def vec_k(self) -> int:
+        return self.head_dim // self.elts_per_ldg
+
+    @property
+    def vecs_per_thread(self) -> int:
+        return -(-self.vec_k // self.threads_per_row)
+
+    @property
+    def rows_per_cta(self) -> int:
+        return self.threads_per_cta // self.threads_per_row * self.rows_per_thread
+
+    @property
+    def source_file(self) -> str:
+        return "attention_delta.cu"
+
+    def launches(self) -> dict:
+        return {"attention_delta": (self.threads_per_cta, 0)}
+
+    def vector_bytes(self, dtype_name: str) -> int:
+        return self.elts_per_ldg * dtypes.itemsize(dtype_name)
+
+    def _check(self):
+        def rule(ok: bool, message: str):
+            if not ok:
+                raise ValueError(f"illegal traits {self.short()}: {message}")
+
+        rule(isinstance(self.head_dim, int) and self.head_dim >= 1, "head_dim must be a positive int")
+        tpr = self.threads_per_row
+        rule(1 <= tpr <= 32 and tpr & (tpr - 1) == 0, "THREADS_PER_ROW must be a power of two <= 32")
+        rule(self.threads_per_cta % 32 == 0 and 32 <= self.threads_per_cta <= 1024,
+             "THREADS_PER_CTA: whole warps, <= 1024")
+        rule(self.elts_per_ldg in (1, 2, 4, 8, 16), "ELTS_PER_LDG must be 1, 2, 4, 8 or 16")
+        for name in (self.out_dtype, self.grad_dtype):
+            rule(self.vector_bytes(name) in (2, 4, 8, 16, 32, 64) and
+                 (self.vector_bytes(name) <= 16 or self.vector_bytes(name) % 16 == 0),
+                 f"a vector of {self.elts_per_ldg} {name} is not a whole number of 16-byte (or one narrower) loads")
+        rule(self.head_dim % self.elts_per_ldg == 0, "the head dim must be a multiple of the elements per load")
+        rule(self.rows_per_thread >= 1, "ROWS_PER_THREAD must be >= 1")
+        rule(self.vecs_per_thread * self.elts_per_ldg * self.rows_per_thread <= MAX_ELTS_PER_THREAD,
+             f"more than {MAX_ELTS_PER_THREAD} elements per thread")
+
+    def check_arch(self, arch: int):
+        pass  # nothing architecture-specific
+
+    def replace(self, **changes) -> "DeltaTraits":
+        return dataclasses.replace(self, **changes)
+
+    def knobs(self) -> dict:
+        return {k: getattr(self, k) for k in self.KNOBS}
+
+    def short(self) -> str:
+        return (f"K={self.head_dim} {self.out_dtype}*{self.grad_dtype} THREADS_PER_ROW={self.threads_per_row} "
+                f"ELTS_PER_LDG={self.elts_per_ldg} ROWS_PER_THREAD={self.rows_per_thread} "
+                f"THREADS_PER_CTA={self.threads_per_cta}")
+
+    def template_values(self) -> dict:
+        return {"OUT_T": dtypes.cxx_type(self.out_dtype), "GRAD_T": dtypes.cxx_type(self.grad_dtype),
+                "HEAD_DIM": self.head_dim, "THREADS_PER_ROW": self.threads_per_row,
+                "THREADS_PER_CTA": self.threads_per_cta, "ELTS_PER_LDG": self.elts_per_ldg,
+                "ROWS_PER_THREAD": self.rows_per_thread, "VECS_PER_THREAD": self.vecs_per_thread,
+                "ROWS_PER_CTA": self.rows_per_cta}
+
+
+def heuristic(head_dim: int, out_dtype: str, grad_dtype: str, max_elts_per_ldg: int = 16) -> DeltaTraits:
+    """The widest legal vector (up to 16 bytes of the wider input, within what
+    the layout's alignment allows), enough threads per row to cover it in one
+    or two vectors each, and enough rows per thread for TARGET_BYTES_IN_FLIGHT."""
+    wide = max(dtypes.itemsize(out_dtype), dtypes.itemsize(grad_dtype))
+    elts = min(16 // wide, max_elts_per_ldg)
+    while head_dim % elts:
+        elts //= 2
+    vec_k = head_dim // elts
+    tpr = min(32, 1 << max(0, (vec_k - 1).bit_length()))
+    vecs = -(-vec_k // tpr)
+    bytes_per_row_thread = vecs * elts * (dtypes.itemsize(out_dtype) + dtypes.itemsize(grad_dtype))
+    rows = max(1, min(MAX_ROWS_PER_THREAD, TARGET_BYTES_IN_FLIGHT // bytes_per_row_thread))
+    while vecs * elts * rows > MAX_ELTS_PER_THREAD:
+        rows //= 2
+    return DeltaTraits(head_dim=head_dim, out_dtype=out_dtype, grad_dtype=grad_dtype, threads_per_row=tpr,
+                       elts_per_ldg=elts, rows_per_thread=max(1, rows), threads_per_cta=HEURISTIC_THREADS_PER_CTA)
+
+
+class _Family:
+    traits_class = DeltaTraits
+
+    @staticmethod
+    def choose(arch: int, head_dim: int, out_dtype: str, grad_dtype: str, max_elts_per_ldg: int) -> DeltaTraits:
+        return heuristic(head_dim, out_dtype, grad_dtype, max_elts_per_ldg)
+
+
+def _row_axes(shape: tuple, *strides: tuple) -> tuple:
+    """Merges leading axes that are contiguous in every tensor. Returns
+    (sizes, [strides per tensor]) with size-1 axes dropped, or None when more
+    than MAX_LEAD_AXES remain."""
+    axes = [(n, [s[i] for s in strides]) for i, n in enumerate(shape) if n != 1]
+    merged = []
+    for n, st in axes:
+        if merged and all(ps == n * s for ps, s in zip(merged[-1][1], st)):
+            merged[-1] = (merged[-1][0] * n, st)
+        else:
+            merged.append((n, st))
+    if len(merged) > MAX_LEAD_AXES:
+        return None
+    while len(merged) < MAX_LEAD_AXES:
+        merged.insert(0, (1, [0] * len(strides)))
+    return [n for n, _ in merged], [[st[i] for _, st in merged] for i in range(len(strides))]
+
+
+def _max_elts(arrays_, k: int, strides_per_tensor) -> int:
+    """Widest vector (in elements) every pointer, leading stride and row
+    length allows for 16-byte-or-narrower aligned loads."""
+    best = 16
+    for a, st in zip(arrays_, strides_per_tensor):
+        item = a.itemsize
+        for e in (16, 8, 4, 2, 1):
+            nbytes = e * item
+            chunk = min(16, nbytes)
+            if k % e == 0 and a.data.ptr % chunk == 0 and all((s * item) % chunk == 0 for s in st):
+                break
+        best = min(best, e)
+    return best
+
+
+def attention_delta(out, grad_out, *, traits=None):
+    """D[..., i] = sum_k float(out[..., i, k]) * float(grad_out[..., i, k]), float32.
+
+    out and grad_out: the same shape [..., K], dtypes fp32/fp16/bf16 (may
+    differ). GPU arrays with a contiguous last axis are read in place through
+    their leading strides (up to three leading axes after merging contiguous
+    ones); other layouts are copied first. K = 0 gives zeros, zero rows an
+    empty result; neither launches a kernel. numpy inputs run the float64
+    reference on the CPU.
+    """
+    args, on_gpu = arrays.take_all({"out": out, "grad_out": grad_out}, {})
+    O, G = args["out"], args["grad_out"]
+    o_dtype, g_dtype = arrays.check_dtype(O), arrays.check_dtype(G)
+    if O.array.ndim < 1:
+        raise ValueError("out: needs at least one axis (the head dim), got a 0-d array")
+    arrays.check_shape(G, O.array.shape, "out's shape")
+    lead, k = tuple(O.array.shape[:-1]), O.array.shape[-1]
+
+    if not on_gpu:
+        return reference.attention_delta(O.array, G.array).astype(np.float32)
+
+    import cupy
+
+    with cupy.cuda.Device(O.array.device.id):
+        rows = math.prod(lead)
+        if rows == 0 or k == 0:
+            return cupy.zeros(lead, dtype=np.float32)
+        if rows >= 2**32:
+            raise ValueError(f"out: {rows} rows; at most 2**32 - 1 are supported")
+        tensors = []
+        for a in (O, G):
+            arr = a.array
+            if arr.strides[-1] != arr.itemsize and k > 1:
+                arr = cupy.ascontiguousarray(arr)  # documented: a non-unit last-axis stride is copied
+            tensors.append(arr)
+        elem_strides = [tuple(s // t.itemsize for s in t.strides[:-1]) for t in tensors]
+        axes = _row_axes(lead, *elem_strides)
+        if axes is None:  # documented: more than three non-mergeable leading axes are copied
+            tensors = [cupy.ascontiguousarray(t) for t in tensors]
+            elem_strides = [tuple(s // t.itemsize for s in t.strides[:-1]) for t in tensors]
+            axes = _row_axes(lead, *elem_strides)
+        sizes, (ost, gst) = axes
+        call = dict(head_dim=k, out_dtype=o_dtype, grad_dtype=g_dtype)
+        if traits is None:  # the layout's alignment caps the vector width dispatch may pick
+            call["max_elts_per_ldg"] = _max_elts(tensors, k, (ost, gst))
+        t, kernels = plan.resolve(_Family, traits, call, O.array.device.id)
+        for a, st, name in zip(tensors, (ost, gst), ("out", "grad_out")):
+            chunk = min(16, t.vector_bytes(dtypes.name_of(a.dtype)))
+            if a.data.ptr % chunk or any((s * a.itemsize) % chunk for s in st):
+                raise ValueError(f"{name}: its pointer or strides are not {chunk}-byte aligned, as "
+                                 f"traits {t.short()} need")
+        d = cupy.empty(lead, dtype=np.float32)
+        kern = kernels["attention_delta"]
+        tiles = -(-rows // t.rows_per_cta)
+        grid = min(tiles, kern.sm_count * kern.blocks_per_sm * 4)
+        kern(grid, (tensors[0], tensors[1], d, np.uint32(rows), np.uint32(sizes[1]), np.uint32(sizes[2]),
+                    *(np.int64(s) for s in ost), *(np.int64(s) for s in gst)))
+    return d

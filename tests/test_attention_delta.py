@@ -76,9 +76,8 @@ def test_delta_variants_compile_clean():
 
 # -- tier C -----------------------------------------------------------------
 def _pair(rng, shape, pair, cupy):
-    o = cupy.asarray(rng.standard_normal(shape).astype(dtypes.numpy_dtype(pair[0])))
-    g = cupy.asarray(rng.standard_normal(shape).astype(dtypes.numpy_dtype(pair[1])))
-    return o, g
+    o, g = check.delta_inputs(check._gpu_rng(rng), int(np.prod(shape[:-1])), shape[-1], *pair)
+    return o.reshape(shape), g.reshape(shape)
 
 
 def _tol(pair):

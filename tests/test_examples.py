@@ -1,0 +1,26 @@
+"""Tier A: the examples run (the script on the CPU path) and the notebook is well formed."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_quickstart_runs():
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([sys.executable, str(ROOT / "examples" / "quickstart.py")], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "attention_delta: (2, 128, 8)" in out.stdout
+    err = float(out.stdout.split("relative L2 error vs float64:")[1].split()[0])
+    assert err < 8e-3
+
+
+def test_notebook_is_valid_and_compiles():
+    nb = json.loads((ROOT / "examples" / "tour.ipynb").read_text())
+    assert nb["nbformat"] == 4 and nb["cells"]
+    for cell in nb["cells"]:
+        if cell["cell_type"] == "code":
+            compile("".join(cell["source"]), "cell", "exec")

@@ -1,7 +1,7 @@
 """Which traits run a given LayerNorm call.
 
 Two sources, in this order: the tuned table (knobs measured best on a GPU by
-`cunorm tune`, a literal below), then a heuristic that derives legal traits for
+`python -m cunorm.tune`, the literal in tuned.py), then a heuristic that derives legal traits for
 any other hidden size. Both give only the knobs; the call supplies hidden size,
 dtypes and flags, and `Traits` checks the result.
 """
@@ -11,72 +11,12 @@ import math
 
 from . import dtypes
 from .traits import CLUSTER_MIN_ARCH, KNOBS, Traits
+from .tuned import TUNED, TUNED_ARCH  # the measured table, a literal of its own
 
 # Hidden sizes with tuned entries (both directions, every input dtype).
 TUNED_SIZES = (768, 1024, 1536, 2048, 2304, 3072, 3840, 4096, 5120, 6144, 8192, 10240, 12288, 12800, 14336,
                15360, 16384, 18432, 20480, 24576, 25600, 30720, 32768, 40960, 49152, 65536)
 
-# (backward, hidden size, input element bytes) -> knobs in KNOBS order:
-# (WARPS_M, WARPS_N, CTAS_PER_ROW, BYTES_PER_LDG, STAGES, CACHE_WEIGHTS, MIN_CTAS_PER_SM, SMEM_ACCUMULATORS
-# [, RECOMPUTE: default True]).
-# Measured with scripts/tune_table.sh on an H200 (bf16, M*N = 2^26; 2-byte inputs share the entries), 2026-11-22;
-# the comment is the fraction of a same-run device-to-device copy the tuner measured. 4-byte inputs use the
-# heuristic until tuned.
-TUNED_ARCH = 90  # other architectures use the heuristic
-TUNED: dict = {
-    (False,   768, 2): (2, 2, 1, 8, 2, 1, 1, 0),  # 0.90 of copy
-    (True ,   768, 2): (4, 1, 1, 16, 2, 1, 1, 0),  # 0.90 of copy
-    (False,  1024, 2): (1, 4, 1, 16, 2, 1, 1, 0),  # 0.89 of copy
-    (True ,  1024, 2): (4, 1, 1, 16, 2, 1, 1, 0),  # 0.86 of copy
-    (False,  1536, 2): (4, 2, 1, 8, 2, 1, 2, 0),  # 0.90 of copy
-    (True ,  1536, 2): (1, 2, 1, 16, 2, 1, 1, 0),  # 0.81 of copy
-    (False,  2048, 2): (8, 4, 1, 8, 2, 1, 1, 0),  # 0.88 of copy
-    (True ,  2048, 2): (1, 8, 1, 16, 2, 1, 1, 0),  # 0.81 of copy
-    (False,  2304, 2): (1, 4, 1, 16, 2, 1, 2, 0),  # 0.91 of copy
-    (True ,  2304, 2): (1, 4, 1, 8, 1, 0, 2, 0),  # 0.79 of copy
-    (False,  3072, 2): (2, 4, 1, 16, 2, 1, 2, 0),  # 0.89 of copy
-    (True ,  3072, 2): (1, 4, 1, 16, 2, 1, 2, 0),  # 0.79 of copy
-    (False,  3840, 2): (1, 8, 1, 16, 2, 1, 1, 0),  # 0.90 of copy
-    (True ,  3840, 2): (2, 16, 1, 16, 2, 1, 1, 0),  # 0.74 of copy
-    (False,  4096, 2): (4, 4, 1, 8, 2, 1, 1, 0),  # 0.88 of copy
-    (True ,  4096, 2): (1, 8, 1, 8, 1, 0, 1, 1),  # 0.85 of copy
-    (False,  5120, 2): (4, 8, 1, 8, 2, 1, 1, 0),  # 0.88 of copy
-    (True ,  5120, 2): (2, 8, 1, 8, 1, 0, 1, 1),  # 0.75 of copy
-    (False,  6144, 2): (1, 8, 1, 16, 2, 1, 1, 0),  # 0.89 of copy
-    (True ,  6144, 2): (1, 16, 1, 8, 1, 1, 2, 1),  # 0.80 of copy
-    (False,  8192, 2): (2, 4, 1, 8, 2, 1, 1, 0),  # 0.88 of copy
-    (True ,  8192, 2): (1, 16, 1, 16, 1, 0, 2, 1, 1),  # 0.74 of copy
-    (False, 10240, 2): (2, 8, 1, 8, 2, 0, 1, 0),  # 0.87 of copy
-    (True , 10240, 2): (1, 8, 2, 8, 1, 1, 2, 0),  # 0.63 of copy
-    (False, 12288, 2): (1, 16, 1, 8, 3, 0, 2, 0),  # 0.87 of copy
-    (True , 12288, 2): (1, 16, 2, 8, 1, 1, 2, 1, 1),  # 0.68 of copy
-    (False, 12800, 2): (1, 16, 1, 8, 3, 1, 1, 0),  # 0.86 of copy
-    (True , 12800, 2): (1, 8, 2, 8, 1, 1, 2, 1),  # 0.65 of copy
-    (False, 14336, 2): (1, 16, 1, 16, 2, 1, 1, 0),  # 0.88 of copy
-    (True , 14336, 2): (1, 32, 2, 16, 2, 1, 1, 0),  # 0.51 of copy
-    (False, 15360, 2): (1, 16, 1, 16, 2, 1, 1, 0),  # 0.89 of copy
-    (True , 15360, 2): (1, 32, 2, 8, 2, 1, 1, 0),  # 0.53 of copy
-    (False, 16384, 2): (1, 16, 1, 16, 2, 1, 1, 0),  # 0.88 of copy
-    (True , 16384, 2): (1, 16, 2, 8, 1, 1, 2, 1, 0),  # 0.70 of copy
-    (False, 18432, 2): (1, 16, 1, 8, 2, 0, 1, 0),  # 0.87 of copy
-    (True , 18432, 2): (1, 16, 2, 8, 2, 1, 1, 1),  # 0.55 of copy
-    (False, 20480, 2): (1, 32, 1, 8, 2, 1, 1, 0),  # 0.87 of copy
-    (True , 20480, 2): (1, 8, 4, 8, 1, 1, 2, 0),  # 0.39 of copy
-    (False, 24576, 2): (1, 16, 1, 8, 2, 0, 1, 0),  # 0.83 of copy
-    (True , 24576, 2): (1, 8, 4, 8, 2, 1, 2, 1),  # 0.41 of copy
-    (False, 25600, 2): (1, 8, 2, 8, 4, 0, 2, 0),  # 0.64 of copy
-    (True , 25600, 2): (1, 8, 4, 8, 1, 0, 2, 1),  # 0.39 of copy
-    (False, 30720, 2): (1, 8, 2, 8, 1, 0, 2, 0),  # 0.69 of copy
-    (True , 30720, 2): (1, 16, 4, 16, 1, 0, 2, 1),  # 0.36 of copy
-    (False, 32768, 2): (1, 8, 2, 8, 1, 0, 2, 0),  # 0.71 of copy
-    (True , 32768, 2): (1, 4, 8, 8, 1, 0, 2, 1),  # 0.39 of copy
-    (False, 40960, 2): (1, 16, 2, 8, 2, 1, 1, 0),  # 0.59 of copy
-    (True , 40960, 2): (1, 8, 8, 8, 1, 1, 1, 1),  # 0.34 of copy
-    (False, 49152, 2): (1, 4, 8, 8, 2, 1, 2, 0),  # 0.42 of copy
-    (True , 49152, 2): (1, 8, 8, 8, 2, 1, 2, 1),  # 0.37 of copy
-    (False, 65536, 2): (1, 4, 8, 8, 3, 1, 1, 0),  # 0.38 of copy
-    (True , 65536, 2): (1, 8, 8, 8, 1, 0, 2, 1),  # 0.40 of copy
-}
 
 # The heuristic aims for this many vector loads of x per thread: enough bytes
 # in flight per thread, few enough registers for several CTAs per SM.

@@ -89,3 +89,31 @@ def test_heuristic_without_clusters_uses_one_cta_per_row():
     t = dispatch.heuristic(hidden_size=16384, input_dtype="bfloat16", weight_dtype="bfloat16",
                            output_dtype="bfloat16", arch=80)
     assert t.ctas_per_row == 1
+
+
+def test_kernels_compile_once_under_concurrent_requests(monkeypatch):
+    """Threads asking for the same kernels at once share one compile."""
+    import threading
+    import time
+
+    from cunorm import compiler
+
+    calls = []
+
+    def slow_load(traits, device_id):
+        calls.append(traits)
+        time.sleep(0.2)
+        return {"k": object()}
+
+    monkeypatch.setattr(compiler, "_load", slow_load)
+    monkeypatch.setattr(compiler, "_cache", {})
+    t = Traits(hidden_size=2048, input_dtype="bfloat16", warps_n=2)
+    got = []
+    threads = [threading.Thread(target=lambda: got.append(compiler.kernels_for(t, 0))) for _ in range(8)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert len(calls) == 1 and len(got) == 8 and all(g is got[0] for g in got)
+    compiler.kernels_for(t.replace(warps_n=4), 0)
+    assert len(calls) == 2

@@ -15,6 +15,7 @@ import numpy as np
 from . import arrays, dtypes, plan, reference
 
 MAX_LEAD_AXES = 3  # leading axes the kernel indexes with their own strides
+MAX_HEAD_DIM = 2048  # 32 threads x 64 elements (MAX_ELTS_PER_THREAD) at one element per load
 # Elements of each input one thread holds (VECS_PER_THREAD * ELTS_PER_LDG * ROWS_PER_THREAD).
 MAX_ELTS_PER_THREAD = 64
 # Loads in flight per thread the heuristic aims for (both inputs, all rows).
@@ -174,7 +175,7 @@ def attention_delta(out, grad_out, *, traits=None):
     """D[..., i] = sum_k float(out[..., i, k]) * float(grad_out[..., i, k]), float32.
 
     out and grad_out: the same shape [..., K], dtypes fp32/fp16/bf16 (may
-    differ). GPU arrays with a contiguous last axis are read in place through
+    differ), head dim up to MAX_HEAD_DIM. GPU arrays with a contiguous last axis are read in place through
     their leading strides (up to three leading axes after merging contiguous
     ones); other layouts are copied first. K = 0 gives zeros, zero rows an
     empty result; neither launches a kernel. numpy inputs run the float64
@@ -199,11 +200,15 @@ def attention_delta(out, grad_out, *, traits=None):
             return cupy.zeros(lead, dtype=np.float32)
         if rows >= 2**32:
             raise ValueError(f"out: {rows} rows; at most 2**32 - 1 are supported")
+        if k > MAX_HEAD_DIM:
+            raise ValueError(f"out: head dim {k} exceeds {MAX_HEAD_DIM}, the widest row a thread group holds")
         tensors = []
         for a in (O, G):
             arr = a.array
-            if arr.strides[-1] != arr.itemsize and k > 1:
-                arr = cupy.ascontiguousarray(arr)  # documented: a non-unit last-axis stride is copied
+            # Documented copies: a non-unit last-axis stride, or a leading stride that is no whole number of
+            # elements (a reinterpreting view).
+            if (arr.strides[-1] != arr.itemsize and k > 1) or any(s % arr.itemsize for s in arr.strides):
+                arr = cupy.ascontiguousarray(arr)
             tensors.append(arr)
         elem_strides = [tuple(s // t.itemsize for s in t.strides[:-1]) for t in tensors]
         axes = _row_axes(lead, *elem_strides)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 
 from . import dtypes
-from .traits import CLUSTER_MIN_ARCH, KNOBS, Traits
+from .traits import CLUSTER_MIN_ARCH, DEFAULT_SMEM_LIMIT, KNOBS, SMEM_LIMIT, Traits
 from .tuned import TUNED, TUNED_ARCH  # the measured table, a literal of its own
 
 # Hidden sizes with tuned entries (both directions, every input dtype).
@@ -87,8 +87,9 @@ def heuristic(*, hidden_size: int, input_dtype: str, backward: bool = False, arc
                          f"cluster on sm_90, one CTA before it)")
     # Wide CTAs get few registers per thread: there, weights are re-read instead
     # of held, and the backward keeps its column sums in shared memory.
+    smem_sums = backward and best.threads_per_cta > 256
     if best.threads_per_cta > 256:
-        best = best.replace(cache_weights=False, smem_accumulators=backward)
+        best = best.replace(cache_weights=False)
     if best.ctas_per_row == 1:
         warps_m = max(1, MIN_THREADS_PER_CTA // best.threads_per_row)
         while warps_m > 1:
@@ -97,12 +98,17 @@ def heuristic(*, hidden_size: int, input_dtype: str, backward: bool = False, arc
                 break
             except ValueError:
                 warps_m //= 2
-    # Rows in flight: as many stages as fit in STAGED_SMEM_BUDGET (two CTAs per SM).
-    for stages in range(DEFAULT_STAGES, 0, -1):
-        try:
-            staged = best.replace(stages=stages)
-        except ValueError:
-            continue
-        if staged.smem_bytes <= STAGED_SMEM_BUDGET or stages == 1:
-            return staged
-    return best
+    # Rows in flight: as many stages as fit in STAGED_SMEM_BUDGET (two CTAs per SM) and the GPU's limit.
+    # Wide backward CTAs keep their column sums in shared memory when that fits too (registers are scarce).
+    budget = min(STAGED_SMEM_BUDGET, SMEM_LIMIT.get(arch, DEFAULT_SMEM_LIMIT))
+    for sums_in_smem in (True, False) if smem_sums else (False,):
+        for stages in range(DEFAULT_STAGES, 0, -1):
+            try:
+                staged = best.replace(stages=stages, smem_accumulators=sums_in_smem)
+            except ValueError:
+                continue
+            if staged.smem_bytes <= budget:
+                staged.check_arch(arch)
+                return staged
+    raise ValueError(f"x: hidden size {hidden_size} ({input_dtype}, {'backward' if backward else 'forward'}) "
+                     f"needs more shared memory than sm_{arch} has")

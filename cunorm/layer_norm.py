@@ -61,20 +61,24 @@ def _resolve(traits, base: dict, device_id: int):
     return plan.resolve(_Family, traits, base, device_id)
 
 
-def _gpu_requirements(traits: Traits, args: dict):
-    """What the kernels assume of GPU arrays: contiguous, and the row-vector
-    arguments aligned to their vector loads (mean and rstd are read singly)."""
-    if traits.hidden_size % 8:
-        raise ValueError(f"x: hidden size {traits.hidden_size} is not a multiple of 8; other sizes come with the "
+def _gpu_layout(n: int, args: dict):
+    """What the kernels assume of GPU arrays, checked before any compile:
+    a hidden size that is a multiple of 8, C-contiguous arrays."""
+    if n % 8:
+        raise ValueError(f"x: hidden size {n} is not a multiple of 8; other sizes come with the "
                          f"general kernel and are not supported on the GPU yet")
     for a in args.values():
-        if a is None:
-            continue
-        if not a.array.flags.c_contiguous:
+        if a is not None and not a.array.flags.c_contiguous:
             raise ValueError(f"{a.name}: must be C-contiguous (strided layouts are not supported on the GPU yet); "
                              f"pass a contiguous copy")
-        vector_bytes = traits.elts_per_ldg * a.array.itemsize if a.name not in ("mean", "rstd") else 4
-        arrays.check_aligned(a, min(16, vector_bytes))
+
+
+def _gpu_alignment(traits: Traits, args: dict):
+    """Row-vector arguments aligned to the chosen vector loads (mean and rstd are read singly)."""
+    for a in args.values():
+        if a is not None:
+            vector_bytes = traits.elts_per_ldg * a.array.itemsize if a.name not in ("mean", "rstd") else 4
+            arrays.check_aligned(a, min(16, vector_bytes))
 
 
 def _grid_groups(kernel, traits: Traits, rows: int) -> int:
@@ -102,7 +106,8 @@ def layer_norm(x, weight=None, bias=None, eps=1e-5, *, return_stats=False, out_d
     Returns y (in `out_dtype`, default x's dtype), or (y, mean, rstd) with
     `return_stats=True` (float32, shape x.shape[:-1]). GPU arrays run the CUDA
     kernels on the current CuPy stream of x's device; numpy arrays run the
-    float64 reference and return numpy arrays.
+    float64 reference and return numpy arrays. eps >= 0 (with eps = 0 a constant
+    row has rstd = inf, as in other frameworks).
     """
     args, on_gpu = arrays.take_all({"x": x}, {"weight": weight, "bias": bias})
     X = args["x"]
@@ -127,9 +132,10 @@ def layer_norm(x, weight=None, bias=None, eps=1e-5, *, return_stats=False, out_d
     dev = X.array.device.id
     base = dict(hidden_size=n, input_dtype=x_dtype, weight_dtype=w_dtype, output_dtype=y_dtype,
                 has_weight=W is not None, has_bias=B is not None, backward=False)
+    _gpu_layout(n, args)
     with cupy.cuda.Device(dev):
         t, kernels = _resolve(traits, base, dev)
-        _gpu_requirements(t, args)
+        _gpu_alignment(t, args)
         rows = math.prod(lead)
         y = cupy.empty(lead + (n,), dtype=dtypes.numpy_dtype(y_dtype))
         stats = cupy.empty((2,) + lead, dtype=np.float32) if return_stats else None  # one allocation
@@ -176,9 +182,10 @@ def layer_norm_backward(dy, x, mean, rstd, weight=None, *, has_bias=True, traits
     dev = X.array.device.id
     base = dict(hidden_size=n, input_dtype=x_dtype, weight_dtype=w_dtype, output_dtype=dy_dtype,
                 has_weight=W is not None, has_bias=bool(has_bias), backward=True)
+    _gpu_layout(n, args)
     with cupy.cuda.Device(dev):
         t, kernels = _resolve(traits, base, dev)
-        _gpu_requirements(t, args)
+        _gpu_alignment(t, args)
         rows = math.prod(lead)
         wt = dtypes.numpy_dtype(w_dtype)
         dx = cupy.empty(X.array.shape, dtype=X.array.dtype)

@@ -20,6 +20,7 @@ MAX_ELTS_PER_THREAD = {False: 64, True: 32}  # keyed by `backward`
 SMEM_LIMIT = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}  # per CTA, by arch
 DEFAULT_SMEM_LIMIT = 99 * 1024
 CLUSTER_MIN_ARCH = 90
+MIN_ARCH = 80  # cp.async and the bf16/f16x2 conversion instructions
 # The independent launch-shape knobs (what tuning varies and `traits=` may force).
 KNOBS = ("warps_m", "warps_n", "ctas_per_row", "bytes_per_ldg", "stages", "cache_weights", "min_ctas_per_sm",
          "smem_accumulators", "recompute")
@@ -184,7 +185,11 @@ class Traits:
         rule(self.backward or self.recompute, "recompute is a backward knob")
 
     def check_arch(self, arch: int):
-        """Rules that depend on the GPU: clusters need sm_90 or newer."""
+        """Rules that depend on the GPU: sm_80 or newer; clusters need sm_90;
+        shared memory within the GPU's per-CTA limit."""
+        if arch < MIN_ARCH:
+            raise ValueError(f"illegal traits {self.short()}: the LayerNorm kernels need sm_{MIN_ARCH} or newer "
+                             f"(cp.async, bf16 conversions), not sm_{arch}")
         if self.uses_cluster and arch < CLUSTER_MIN_ARCH:
             raise ValueError(f"illegal traits {self.short()}: CTAS_PER_ROW > 1 needs thread-block clusters "
                              f"(sm_{CLUSTER_MIN_ARCH} or newer), not sm_{arch}")

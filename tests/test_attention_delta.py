@@ -56,7 +56,8 @@ def test_numpy_reference_path(rng):
     (lambda: cunorm.attention_delta(np.ones((2, 4), np.float64), np.ones((2, 4), np.float32)), TypeError,
      "out: dtype float64"),
     (lambda: cunorm.attention_delta([1.0], np.ones(1, np.float32)), TypeError, "out: expected"),
-    (lambda: cunorm.attention_delta(np.ones(()), np.ones(())), TypeError, "out: dtype"),
+    (lambda: cunorm.attention_delta(np.ones((), np.float32), np.ones((), np.float32)), ValueError,
+     "out: needs at least one axis"),
 ])
 def test_delta_bad_inputs(call, err, match):
     with pytest.raises(err, match=match):
@@ -100,8 +101,11 @@ def test_delta_against_reference(k, pair, rng):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("k", (64, 80, 128, 63))
-def test_delta_layouts_without_copies(k, rng):
+def test_delta_layouts_without_copies(k, rng, monkeypatch):
     import cupy
+
+    def no_copy(*args, **kwargs):
+        raise AssertionError("attention_delta copied a layout it should read in place")
 
     b, m, h = 2, 50, 3
     # [B, M, H, K] views into a fused [B, M, 3*H*K] buffer (q, k, v side by side) ...
@@ -110,8 +114,10 @@ def test_delta_layouts_without_copies(k, rng):
     # ... against a [B, H, M, K] tensor seen as [B, M, H, K].
     g = cupy.asarray(rng.standard_normal((b, h, m, k)).astype(np.float32)).transpose(0, 2, 1, 3)
     assert not o.flags.c_contiguous and not g.flags.c_contiguous
+    monkeypatch.setattr(cupy, "ascontiguousarray", no_copy)
     with check.poisoned_allocations():
         d = cunorm.attention_delta(o, g)
+    monkeypatch.undo()
     assert d.shape == (b, m, h)
     assert check.rel_l2(d, cunorm.reference.attention_delta(o, g)) <= 1e-5
 
@@ -144,6 +150,28 @@ def test_delta_empty_and_forced_traits(rng):
         assert check.rel_l2(cunorm.attention_delta(o, g, traits=knobs), ref) <= 1e-5
     with pytest.raises(ValueError, match="out: its pointer"):
         cunorm.attention_delta(o[:, 1:127], g[:, 1:127], traits={"threads_per_row": 8, "elts_per_ldg": 2})
+
+
+@pytest.mark.gpu
+def test_delta_reinterpreting_view_is_copied_not_misread(rng):
+    import cupy
+
+    # A float32 view of float16 rows: the leading stride (10 bytes) is no whole number of float32 elements.
+    base = cupy.asarray(rng.standard_normal((64, 5)).astype(np.float16))
+    o = base[:, :4].view(np.float32)
+    assert o.strides[0] % o.itemsize
+    g = cupy.asarray(rng.standard_normal(o.shape).astype(np.float32))
+    d = cunorm.attention_delta(o, g)
+    ref = (cupy.ascontiguousarray(o).astype(np.float64) * g).sum(-1)
+    assert check.rel_l2(d, ref) <= 1e-6 or not bool(cupy.isfinite(ref).all())
+
+
+@pytest.mark.gpu
+def test_delta_head_dim_limit():
+    import cupy
+
+    with pytest.raises(ValueError, match="out: head dim 4096 exceeds"):
+        cunorm.attention_delta(cupy.ones((2, 4096), np.float32), cupy.ones((2, 4096), np.float32))
 
 
 @pytest.mark.gpu

@@ -123,15 +123,48 @@ def test_dlpack_input_is_zero_copy(rng):
     assert check.rel_l2(y, cupy.from_dlpack(ref)) < 8e-3
 
 
-def test_runs_on_current_stream(rng):
+def test_runs_on_current_stream(rng, monkeypatch):
     import cupy
 
+    from cunorm import compiler
+
+    launched_on = []
+    original = compiler.Kernel.__call__
+
+    def spy(self, grid, args):
+        launched_on.append(cupy.cuda.get_current_stream().ptr)
+        return original(self, grid, args)
+
+    monkeypatch.setattr(compiler.Kernel, "__call__", spy)
     x = cupy.asarray(rng.standard_normal((512, 4096)).astype(np.float32))
     s = cupy.cuda.Stream(non_blocking=True)
     with s:
-        y = cunorm.layer_norm(x)
+        y, mean, rstd = cunorm.layer_norm(x, return_stats=True)
+        cunorm.layer_norm_backward(x, x, mean, rstd)
+        cunorm.attention_delta(x, x)
         s.synchronize()
+    assert launched_on and all(p == s.ptr for p in launched_on)
     assert check.rel_l2(y, cunorm.reference.layer_norm(x)[0]) < 1e-5
+
+
+@pytest.mark.parametrize("knobs", [{"warps_n": 4, "stages": 3}, {"warps_n": 4, "stages": 4, "warps_m": 2},
+                                   {"warps_n": 2, "ctas_per_row": 2, "stages": 3}])
+def test_many_rows_per_cta(knobs, rng):
+    """Rows far beyond one wave of CTAs: every stage of the pipeline and both
+    reducer buffers are reused many times."""
+    import cupy
+
+    case = check.Case("layer_norm", 1024, 50000, "bfloat16", "float32")
+    x, w, b = check._inputs(case, rng)
+    y, mean, rstd = cunorm.layer_norm(x, w, b, return_stats=True, traits=knobs)
+    y_ref, mean_ref, rstd_ref = cunorm.reference.layer_norm(x, w, b)
+    assert check.rel_l2(y, y_ref) < 8e-3 and check.rel_l2(rstd, rstd_ref) < 1e-5
+    dy = cupy.asarray(rng.standard_normal(x.shape).astype(x.dtype))
+    with check.poisoned_allocations():
+        got = cunorm.layer_norm_backward(dy, x, mean, rstd, w, traits=knobs)
+    want = cunorm.reference.layer_norm_backward(dy, x, mean, rstd, w)
+    for g, r, tol in zip(got, want, (8e-3, 1e-5, 1e-5)):
+        assert check.rel_l2(g, r) < tol
 
 
 def test_forced_traits(rng):

@@ -51,10 +51,18 @@ def test_kernel_dir_holds_the_sources():
                                                           "layer_norm_fwd.cu", "layer_norm_bwd.cu"}
 
 
-def test_python_and_cxx_agree_on_derived_traits():
-    """The kernels static_assert that their LDGS etc. equal Python's; here the
-    rendered numbers are Python's own derivation."""
-    t = Traits(hidden_size=12800, input_dtype="bfloat16", warps_n=13, backward=True)
-    src = render(t)
-    assert re.search(rf"static_assert\(LDGS == {t.ldgs},", src)
-    assert re.search(rf"static_assert\(SMEM_BYTES == {t.smem_bytes},", src)
+@pytest.mark.nvrtc
+def test_a_wrong_python_mirror_fails_to_compile(monkeypatch):
+    """The kernels static_assert that Python's derived traits equal their own:
+    a Python derivation that drifts from the C++ one is a compile error."""
+    from cunorm import CompileError, compile_only
+
+    t = Traits(hidden_size=12800, input_dtype="bfloat16", warps_n=13, backward=True, stages=2)
+    compile_only(t, 90)  # the honest mirror compiles
+    for key in ("LDGS", "SMEM_BYTES", "ELTS_PER_THREAD", "THREADS_PER_CTA", "FINALIZE_COLS_PER_CTA"):
+        values = t.template_values()
+        monkeypatch.setattr(Traits, "template_values", lambda self, key=key, values=values: {**values,
+                                                                                         key: values[key] + 1})
+        with pytest.raises(CompileError, match="disagrees"):
+            compile_only(t, 90)
+        monkeypatch.undo()

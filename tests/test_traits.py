@@ -64,13 +64,18 @@ def test_every_tuned_size_dispatches_to_legal_traits(dtype, backward):
         for wdt in {dtype, "float32"}:
             t, source = dispatch.choose(n, dtype, wdt, dtype, backward=backward)
             assert t.hidden_size == n and t.input_dtype == dtype and t.weight_dtype == wdt
-            assert source in ("tuned", "heuristic")
+            tuned = dispatch.tuned_knobs(backward, n, dtype) is not None
+            if tuned and wdt == dtype:  # the measured case must use its entry, not fall back silently
+                assert source == "tuned", (n, dtype, backward)
+                assert tuple(t.knobs().values())[:len(dispatch.TUNED[(backward, n, 2 if dtype != "float32" else 4)])] \
+                    == tuple(int(v) for v in dispatch.TUNED[(backward, n, 2 if dtype != "float32" else 4)])
 
 
-def test_tuned_table_entries_are_legal():
+def test_tuned_table_entries_are_legal_for_their_dtypes():
     for (backward, n, itemsize), knobs in dispatch.TUNED.items():
-        dtype = {4: "float32", 2: "bfloat16"}[itemsize]
-        Traits(hidden_size=n, input_dtype=dtype, backward=backward, **dict(zip(KNOBS, knobs)))
+        for dtype in {4: ("float32",), 2: ("bfloat16", "float16")}[itemsize]:
+            Traits(hidden_size=n, input_dtype=dtype, weight_dtype=dtype, output_dtype=dtype, backward=backward,
+                   **dict(zip(KNOBS, knobs))).check_arch(dispatch.TUNED_ARCH)
         assert n in dispatch.TUNED_SIZES
 
 
@@ -83,6 +88,29 @@ def test_heuristic_covers_every_multiple_of_8(backward):
                                    backward=backward)
             assert t.hidden_size == n
             t.check_arch(90)
+
+
+@pytest.mark.parametrize("arch", [80, 86, 89])
+@pytest.mark.parametrize("backward", [False, True])
+def test_heuristic_respects_older_gpus_limits(arch, backward):
+    """Every multiple of 8 gets traits that fit the GPU, or a clear refusal for rows too wide for one CTA."""
+    for n in range(8, 16385, 8):
+        for dtype, out in (("bfloat16", "bfloat16"), ("float32", "bfloat16"), ("float32", "float32")):
+            try:
+                t = dispatch.heuristic(hidden_size=n, input_dtype=dtype, weight_dtype=dtype, output_dtype=out,
+                                       backward=backward, arch=arch)
+            except ValueError as e:
+                assert "x: hidden size" in str(e) and n > 4096, (n, dtype, e)
+                continue
+            t.check_arch(arch)
+            assert t.ctas_per_row == 1
+
+
+def test_pre_ampere_gpus_are_refused_clearly():
+    with pytest.raises(ValueError, match="sm_80 or newer"):
+        Traits(hidden_size=1024, input_dtype="bfloat16", warps_n=2).check_arch(75)
+    with pytest.raises(ValueError, match="sm_80 or newer"):
+        dispatch.choose(1024, "bfloat16", "bfloat16", "bfloat16", arch=75)
 
 
 def test_heuristic_without_clusters_uses_one_cta_per_row():

@@ -205,10 +205,12 @@ def attention_delta(out, grad_out, *, traits=None):
         tensors = []
         for a in (O, G):
             arr = a.array
-            # Documented copies: a non-unit last-axis stride, or a leading stride that is no whole number of
-            # elements (a reinterpreting view).
-            if (arr.strides[-1] != arr.itemsize and k > 1) or any(s % arr.itemsize for s in arr.strides):
-                arr = cupy.ascontiguousarray(arr)
+            if arr.data.ptr % arr.itemsize or any(s % arr.itemsize for s in arr.strides):
+                # A reinterpreting view: its elements are misaligned for their own type (even a copy faults).
+                raise ValueError(f"{a.name}: pointer or strides {arr.strides} are not whole {arr.dtype} elements "
+                                 f"(a view reinterpreting another dtype?); build the array in its own dtype")
+            if arr.strides[-1] != arr.itemsize and k > 1:
+                arr = cupy.ascontiguousarray(arr)  # documented: a non-unit last-axis stride is copied
             tensors.append(arr)
         elem_strides = [tuple(s // t.itemsize for s in t.strides[:-1]) for t in tensors]
         axes = _row_axes(lead, *elem_strides)

@@ -100,14 +100,16 @@ def heuristic(*, hidden_size: int, input_dtype: str, backward: bool = False, arc
                 warps_m //= 2
     # Rows in flight: as many stages as fit in STAGED_SMEM_BUDGET (two CTAs per SM) and the GPU's limit.
     # Wide backward CTAs keep their column sums in shared memory when that fits too (registers are scarce).
-    budget = min(STAGED_SMEM_BUDGET, SMEM_LIMIT.get(arch, DEFAULT_SMEM_LIMIT))
+    limit = SMEM_LIMIT.get(arch, DEFAULT_SMEM_LIMIT)
+    budget = min(STAGED_SMEM_BUDGET, limit)
     for sums_in_smem in (True, False) if smem_sums else (False,):
         for stages in range(DEFAULT_STAGES, 0, -1):
             try:
                 staged = best.replace(stages=stages, smem_accumulators=sums_in_smem)
             except ValueError:
                 continue
-            if staged.smem_bytes <= budget:
+            # Unstaged, the column sums may take all of the GPU's shared memory (one CTA per SM).
+            if staged.smem_bytes <= (limit if stages == 1 else budget):
                 staged.check_arch(arch)
                 return staged
     raise ValueError(f"x: hidden size {hidden_size} ({input_dtype}, {'backward' if backward else 'forward'}) "

@@ -89,3 +89,19 @@ def test_import_makes_no_cuda_call():
     code = ("import sys, cunorm; cunorm.layer_norm; "
             "assert 'cupy' not in sys.modules, 'importing cunorm imported cupy'")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_arrays_on_different_gpus_are_refused(monkeypatch):
+    """take_all's device rule, without two GPUs: fake GPU arrays on devices 0 and 1."""
+    from types import SimpleNamespace
+
+    from cunorm import arrays
+
+    def fake_take(obj, name):
+        return arrays.Arg(name, obj, True)
+
+    monkeypatch.setattr(arrays, "take", fake_take)
+    on = lambda dev: SimpleNamespace(device=SimpleNamespace(id=dev))  # noqa: E731
+    arrays.take_all({"x": on(0)}, {"weight": on(0), "bias": None})
+    with pytest.raises(ValueError, match="weight: is on GPU 1 but x is on GPU 0"):
+        arrays.take_all({"x": on(0)}, {"weight": on(1)})

@@ -207,5 +207,6 @@ def layer_norm_backward(dy, x, mean, rstd, weight=None, *, has_bias=True, traits
            np.int64(rows), np.int64(n), np.int64(n), np.int64(n)))
         if partials is not None:
             fin = kernels["layer_norm_bwd_finalize"]
-            fin(-(-n // t.finalize_cols_per_cta), (dgamma_part, dbeta_part, np.int32(parts), _ptr(dweight), _ptr(dbias)))
+            fin(-(-n // t.finalize_cols_per_cta),
+                (dgamma_part, dbeta_part, np.int32(parts), _ptr(dweight), _ptr(dbias)))
     return dx, dweight, dbias

@@ -11,4 +11,5 @@ from .traits import Traits
 
 __version__ = "0.1.0"
 
-__all__ = ["CompileError", "DeltaTraits", "attention_delta", "reference", "Traits", "compile_only", "layer_norm", "layer_norm_backward", "render", "__version__"]
+__all__ = ["CompileError", "DeltaTraits", "Traits", "attention_delta", "compile_only", "layer_norm",
+           "layer_norm_backward", "reference", "render", "__version__"]

@@ -206,7 +206,8 @@ class Traits:
         return (f"N={self.hidden_size} {self.input_dtype}/{self.weight_dtype}->{self.output_dtype} "
                 f"WARPS_M={self.warps_m} WARPS_N={self.warps_n} CTAS_PER_ROW={self.ctas_per_row} "
                 f"BYTES_PER_LDG={self.bytes_per_ldg} STAGES={self.stages} CACHE_WEIGHTS={int(self.cache_weights)} "
-                f"MIN_CTAS_PER_SM={self.min_ctas_per_sm}" + (" SMEM_ACCUMULATORS=1" if self.smem_accumulators else "") + ("" if self.recompute else " RECOMPUTE=0"))
+                f"MIN_CTAS_PER_SM={self.min_ctas_per_sm}" + (" SMEM_ACCUMULATORS=1" if self.smem_accumulators else "")
+                + ("" if self.recompute else " RECOMPUTE=0"))
 
     def knobs(self) -> dict:
         return {k: getattr(self, k) for k in KNOBS}

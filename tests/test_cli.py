@@ -47,7 +47,8 @@ def test_check_compile_only_json():
                                         "--json"])
     assert res.exit_code == 0, res.output
     out = json.loads(res.stdout)
-    assert out["failed"] == 0 and len(out["variants"]) == 2 * 2 * 2 + 2 * 2  # LN: sizes x weight dtypes x ops; delta: sizes x caps
+    # LayerNorm: sizes x weight dtypes x ops; attention_delta: sizes x alignment caps.
+    assert out["failed"] == 0 and len(out["variants"]) == 2 * 2 * 2 + 2 * 2
     assert all(v["ok"] for v in out["variants"])
 
 

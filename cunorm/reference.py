@@ -12,31 +12,81 @@ def _f64(a):
     return a.astype(np.float64) if hasattr(a, "astype") else np.asarray(a, dtype=np.float64)
 
 
-def layer_norm(x, weight=None, bias=None, eps: float = 1e-5):
-    """(y, mean, rstd) over the last axis, all float64."""
+def _effective_weight(weight, zero_centered_weight: bool):
+    """The multiplier of xhat: weight, 1 + weight (zero-centered), or None."""
+    if weight is None:
+        if zero_centered_weight:
+            raise ValueError("zero_centered_weight: needs a weight")
+        return None
+    w = _f64(weight)
+    return 1.0 + w if zero_centered_weight else w
+
+
+def add_residual(x, residual):
+    """h = x + residual (the pre-norm residual add), float64; x alone without a residual."""
+    return _f64(x) if residual is None else _f64(x) + _f64(residual)
+
+
+def layer_norm(x, weight=None, bias=None, eps: float = 1e-5, *, zero_centered_weight: bool = False):
+    """(y, mean, rstd) over the last axis, all float64. With a residual, pass
+    `add_residual(x, residual)` as x."""
     x = _f64(x)
     mean = x.mean(axis=-1)
     var = ((x - mean[..., None]) ** 2).mean(axis=-1)
     rstd = (var + eps) ** -0.5
     y = (x - mean[..., None]) * rstd[..., None]
-    if weight is not None:
-        y = y * _f64(weight)
+    w = _effective_weight(weight, zero_centered_weight)
+    if w is not None:
+        y = y * w
     if bias is not None:
         y = y + _f64(bias)
     return y, mean, rstd
 
 
-def layer_norm_backward(dy, x, mean, rstd, weight=None):
+def _row_grads(dy, xhat, rstd, w, dresidual, centered: bool):
+    """dx of a normalization given xhat, rstd and the xhat multiplier w: the
+    LayerNorm form (centered) subtracts mean(g); RMSNorm's does not. The skip
+    path's gradient dresidual, if any, adds to it."""
+    g = dy * w if w is not None else dy
+    dx = g - xhat * (g * xhat).mean(axis=-1, keepdims=True)
+    if centered:
+        dx = dx - g.mean(axis=-1, keepdims=True)
+    dx = rstd * dx
+    return dx if dresidual is None else dx + _f64(dresidual)
+
+
+def layer_norm_backward(dy, x, mean, rstd, weight=None, *, dresidual=None, zero_centered_weight: bool = False):
     """(dx, dweight, dbias) in float64, given the forward's saved mean and rstd.
-    dweight is None without a weight; dbias is always computed."""
+    dweight is None without a weight; dbias is always computed. dweight does not
+    change with zero_centered_weight (d(1 + w)/dw = 1)."""
     dy, x, mean, rstd = _f64(dy), _f64(x), _f64(mean)[..., None], _f64(rstd)[..., None]
     xhat = (x - mean) * rstd
-    g = dy * _f64(weight) if weight is not None else dy
-    dx = rstd * (g - g.mean(axis=-1, keepdims=True) - xhat * (g * xhat).mean(axis=-1, keepdims=True))
+    dx = _row_grads(dy, xhat, rstd, _effective_weight(weight, zero_centered_weight), dresidual, centered=True)
     lead = tuple(range(x.ndim - 1))
     dweight = (dy * xhat).sum(axis=lead) if weight is not None else None
     dbias = dy.sum(axis=lead)
     return dx, dweight, dbias
+
+
+def rms_norm(x, weight=None, eps: float = 1e-6, *, zero_centered_weight: bool = False):
+    """(y, rstd): y = x * rstd * w with rstd = 1 / sqrt(mean(x^2) + eps), float64.
+    With a residual, pass `add_residual(x, residual)` as x."""
+    x = _f64(x)
+    rstd = ((x * x).mean(axis=-1) + eps) ** -0.5
+    y = x * rstd[..., None]
+    w = _effective_weight(weight, zero_centered_weight)
+    return (y * w if w is not None else y), rstd
+
+
+def rms_norm_backward(dy, x, rstd, weight=None, *, dresidual=None, zero_centered_weight: bool = False):
+    """(dx, dweight) in float64; x is what was normalized (the residual sum when
+    a residual was used), dresidual the gradient reaching it from the skip path."""
+    dy, x, rstd = _f64(dy), _f64(x), _f64(rstd)[..., None]
+    xhat = x * rstd
+    dx = _row_grads(dy, xhat, rstd, _effective_weight(weight, zero_centered_weight), dresidual, centered=False)
+    lead = tuple(range(x.ndim - 1))
+    dweight = (dy * xhat).sum(axis=lead) if weight is not None else None
+    return dx, dweight
 
 
 def attention_delta(out, grad_out):

@@ -21,7 +21,7 @@ SMEM_LIMIT = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}  # p
 DEFAULT_SMEM_LIMIT = 99 * 1024
 CLUSTER_MIN_ARCH = 90
 MIN_ARCH = 80  # cp.async and the bf16/f16x2 conversion instructions
-# The independent launch-shape knobs (what tuning varies and `traits=` may force).
+# The independent knobs: launch shape and research levers (what tuning varies and `traits=` may force).
 KNOBS = ("warps_m", "warps_n", "ctas_per_row", "bytes_per_ldg", "stages", "cache_weights", "min_ctas_per_sm",
          "smem_accumulators", "recompute")
 # The backward's finalize kernel: warps per CTA (each sums a slice of the partial

@@ -78,16 +78,6 @@ def check_shape(arg: Arg, shape: tuple, what: str):
         raise ValueError(f"{arg.name}: shape {tuple(arg.array.shape)} does not match {what} {tuple(shape)}")
 
 
-def rows_view(arg: Arg, hidden_size: int):
-    """The array as [rows, hidden_size] with its row stride in elements.
-    Needs a C-contiguous array (strided rows come with the general kernel)."""
-    a = arg.array
-    if not a.flags.c_contiguous:
-        raise ValueError(f"{arg.name}: must be C-contiguous (strided and non-contiguous layouts are not "
-                         f"supported yet); pass a contiguous copy")
-    return a.reshape(-1, hidden_size), hidden_size
-
-
 def check_aligned(arg: Arg, alignment: int):
     if arg.array.data.ptr % alignment:
         raise ValueError(f"{arg.name}: data pointer is not {alignment}-byte aligned (an offset view?); "

@@ -1,15 +1,17 @@
-"""cunorm: row-wise normalization kernels (LayerNorm, ...) for CuPy.
+"""cunorm: row-wise normalization kernels (LayerNorm, RMSNorm, attention delta) for CuPy.
 
 Importing cunorm makes no CUDA call; kernels compile on first use.
 """
 from . import reference
 from .attention_delta import DeltaTraits, attention_delta
 from .compiler import CompileError, compile_only
-from .layer_norm import layer_norm, layer_norm_backward
+from .explain import Explanation, explain
+from .norm import layer_norm, layer_norm_backward, rms_norm, rms_norm_backward
 from .source import render
 from .traits import Traits
 
 __version__ = "0.1.0"
 
-__all__ = ["CompileError", "DeltaTraits", "Traits", "attention_delta", "compile_only", "layer_norm",
-           "layer_norm_backward", "reference", "render", "__version__"]
+__all__ = ["CompileError", "DeltaTraits", "Explanation", "Traits", "attention_delta", "compile_only", "explain",
+           "layer_norm", "layer_norm_backward", "reference", "render", "rms_norm", "rms_norm_backward",
+           "__version__"]

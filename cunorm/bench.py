@@ -52,24 +52,48 @@ def copy_bandwidth(nbytes: int = 2**30) -> float:
     return 2 * nbytes / (ms * 1e-3)
 
 
-def layer_norm_cases(sizes=BENCH_SIZES, dtype: str = "bfloat16", weight_dtype: str | None = None):
-    """Yields (name, n, bytes, fn) for forward and backward at M*N = ELEMENTS."""
+def norm_cases(sizes=BENCH_SIZES, dtype: str = "bfloat16", weight_dtype: str | None = None,
+               variants=("layer_norm", "rms_norm", "layer_norm+residual", "rms_norm+residual"), layout=""):
+    """Yields (name, n, bytes, fn) for forward and backward at M*N = ELEMENTS.
+    A "+residual" variant adds a residual (dresidual in the backward) of x's
+    dtype. layout "stride+D" reads and writes rows D elements apart beyond N
+    (slices of wider buffers). Bytes count each row tensor once plus the saved
+    statistics (4 bytes a row each); weights and partial sums are not counted."""
     import cupy
 
-    from .layer_norm import layer_norm, layer_norm_backward
+    from .norm import layer_norm, layer_norm_backward, rms_norm, rms_norm_backward
 
     dt = dtypes.numpy_dtype(dtype)
     wdt = dtypes.numpy_dtype(weight_dtype or dtype)
+    pad = int(layout.removeprefix("stride+")) if layout else 0
+
+    def rows_of(m, n):
+        buf = cupy.random.standard_normal((m, n + pad), dtype=np.float32).astype(dt)
+        return buf[:, :n]
+
     for n in sizes:
         m = ELEMENTS // n
-        x = cupy.random.standard_normal((m, n), dtype=np.float32).astype(dt)
-        dy = cupy.random.standard_normal((m, n), dtype=np.float32).astype(dt)
+        x, dy = rows_of(m, n), rows_of(m, n)
+        outs = [rows_of(m, n) for _ in range(2)] if pad else [None, None]
         w = cupy.random.standard_normal(n, dtype=np.float32).astype(wdt)
         b = cupy.random.standard_normal(n, dtype=np.float32).astype(wdt)
-        _, mean, rstd = layer_norm(x, w, b, return_stats=True)
         e = dt.itemsize
-        yield "layer_norm fwd", n, 2 * m * n * e + 8 * m, lambda: layer_norm(x, w, b, return_stats=True)
-        yield "layer_norm bwd", n, 3 * m * n * e + 8 * m, lambda: layer_norm_backward(dy, x, mean, rstd, w)
+        for variant in variants:
+            rms = variant.startswith("rms")
+            res = rows_of(m, n) if variant.endswith("+residual") else None
+            stats = (4 if rms else 8) * m
+            tensors = 2 + (res is not None) * 2
+            name = variant + (f" {layout}" if layout else "")
+            if rms:
+                fwd = lambda: rms_norm(x, w, residual=res, return_stats=True, out=outs[0])  # noqa: E731
+                *_, rstd = fwd()
+                bwd = lambda: rms_norm_backward(dy, x, rstd, w, dresidual=res, out=outs[1])  # noqa: E731
+            else:
+                fwd = lambda: layer_norm(x, w, b, residual=res, return_stats=True, out=outs[0])  # noqa: E731
+                *_, mean, rstd = fwd()
+                bwd = lambda: layer_norm_backward(dy, x, mean, rstd, w, dresidual=res, out=outs[1])  # noqa: E731
+            yield f"{name} fwd", n, tensors * m * n * e + stats, fwd
+            yield f"{name} bwd", n, (3 + (res is not None)) * m * n * e + stats, bwd
 
 
 def delta_cases(head_dims=DELTA_HEAD_DIMS, dtype: str = "bfloat16"):
@@ -86,8 +110,14 @@ def delta_cases(head_dims=DELTA_HEAD_DIMS, dtype: str = "bfloat16"):
         yield "attention_delta", k, 2 * m * k * dt.itemsize + 4 * m, lambda: attention_delta(o, g)
 
 
+# Layout and odd-size comparisons: strided rows beside contiguous ones at 4096,
+# odd sizes beside their neighbours.
+STRIDED = ((4096,), "stride+64")
+ODD_SIZES = (4097, 65537)
+
+
 def run(sizes=BENCH_SIZES, dtype="bfloat16", weight_dtype=None, repeat=20, out=sys.stdout,
-        head_dims=DELTA_HEAD_DIMS) -> dict:
+        head_dims=DELTA_HEAD_DIMS, extras=True) -> dict:
     import cupy
 
     copy = copy_bandwidth()
@@ -96,14 +126,17 @@ def run(sizes=BENCH_SIZES, dtype="bfloat16", weight_dtype=None, repeat=20, out=s
     results = {"gpu": props["name"].decode(), "copy_gbps": copy / 1e9, "dtype": dtype,
                "weight_dtype": weight_dtype or dtype, "elements": ELEMENTS, "rows": []}
     print(f"# {results['gpu']}: device-to-device copy {copy / 1e9:.0f} GB/s (read + write)", file=out)
-    print(f"{'op':<16} {'N or K':>6} {'ms':>8} {'GB/s':>7} {'of copy':>7}", file=out)
-    cases = itertools.chain(layer_norm_cases(sizes, dtype, weight_dtype), delta_cases(head_dims, dtype))
-    for name, n, nbytes, fn in cases:
+    print(f"{'op':<36} {'N or K':>6} {'ms':>8} {'GB/s':>7} {'of copy':>7}", file=out)
+    cases = [norm_cases(sizes, dtype, weight_dtype)]
+    if extras:
+        cases += [norm_cases(STRIDED[0], dtype, weight_dtype, ("layer_norm", "rms_norm"), STRIDED[1]),
+                  norm_cases(ODD_SIZES, dtype, weight_dtype, ("layer_norm", "rms_norm"))]
+    for name, n, nbytes, fn in itertools.chain(*cases, delta_cases(head_dims, dtype)):
         ms = median_ms(fn, repeat)
         bw = nbytes / (ms * 1e-3)
         row = {"op": name, "n": n, "ms": ms, "gbps": bw / 1e9, "fraction_of_copy": bw / copy}
         results["rows"].append(row)
-        print(f"{name:<16} {n:>6} {ms:>8.4f} {bw / 1e9:>7.0f} {bw / copy:>7.3f}", file=out, flush=True)
+        print(f"{name:<36} {n:>6} {ms:>8.4f} {bw / 1e9:>7.0f} {bw / copy:>7.3f}", file=out, flush=True)
     return results
 
 
@@ -117,9 +150,10 @@ def main(argv=None):
     p.add_argument("--weight-dtype", default=None)
     p.add_argument("--repeat", type=int, default=20)
     p.add_argument("--json", default=None, help="also write results to this file")
+    p.add_argument("--no-extras", action="store_true", help="skip the strided-row and odd-size comparisons")
     a = p.parse_args(argv)
     ints = lambda text: tuple(int(v) for v in text.split(",") if v)  # noqa: E731
-    res = run(ints(a.sizes), a.dtype, a.weight_dtype, a.repeat, head_dims=ints(a.head_dims))
+    res = run(ints(a.sizes), a.dtype, a.weight_dtype, a.repeat, head_dims=ints(a.head_dims), extras=not a.no_extras)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(res, f, indent=1)

@@ -24,13 +24,23 @@ HEURISTIC_SAMPLE = (8, 40, 200, 1000, 1160, 4104, 7168)
 
 
 DELTA_HEAD_DIMS = (1, 3, 8, 63, 64, 80, 96, 128, 192, 256, 512)
-OPS = ("layer_norm", "layer_norm_backward", "attention_delta")
+NORM_OPS = ("layer_norm", "layer_norm_backward", "rms_norm", "rms_norm_backward")
+OPS = NORM_OPS + ("attention_delta",)
+SWEEPS = ("tuned", "general", "flags")
+# Row layouts of x, residual, dy and dresidual: "contiguous", "offset:K" (a view
+# K elements into its buffer), "stride:+D" (rows D elements apart beyond N).
+LAYOUTS = ("contiguous",) + tuple(f"offset:{k}" for k in range(1, 8)) + ("stride:+13", "stride:+64")
+WEIGHT_LAYOUTS = ("contiguous", "broadcast", "strided", "offset")
 
 
 @dataclass(frozen=True)
 class Case:
     """One checker case. For attention_delta, hidden_size is the head dim,
-    dtype the dtype of `out` and weight_dtype that of `grad_out`."""
+    dtype the dtype of `out` and weight_dtype that of `grad_out`. For the norms:
+    dtype is x's, out_dtype y's (forward) or dy's (backward; default: dtype),
+    bias_dtype defaults to weight_dtype, residual_dtype (None: no residual) is
+    the residual's (forward) or dresidual's (backward), in_place writes y over
+    x (forward) or dx over dy (backward)."""
 
     op: str  # one of OPS
     hidden_size: int
@@ -39,12 +49,34 @@ class Case:
     weight_dtype: str
     has_weight: bool = True
     has_bias: bool = True
+    bias_dtype: str | None = None
+    out_dtype: str | None = None
+    residual_dtype: str | None = None
+    zero_centered: bool = False
+    layout: str = "contiguous"
+    weight_layout: str = "contiguous"
+    in_place: bool = False
 
     def label(self) -> str:
         if self.op == "attention_delta":
             return f"{self.op} K={self.hidden_size} M={self.rows} out={self.dtype} grad={self.weight_dtype}"
-        flags = ("" if self.has_weight else " no-weight") + ("" if self.has_bias else " no-bias")
+        extras = [("no-weight", not self.has_weight), ("no-bias", not self.has_bias and not self.rms),
+                  (f"b={self.bias_dtype}", self.bias_dtype not in (None, self.weight_dtype)),
+                  (f"out={self.out_dtype}", self.out_dtype not in (None, self.dtype)),
+                  (f"residual={self.residual_dtype}", self.residual_dtype is not None),
+                  ("zero-centered", self.zero_centered), (self.layout, self.layout != "contiguous"),
+                  (f"weight={self.weight_layout}", self.weight_layout != "contiguous"),
+                  ("in-place", self.in_place)]
+        flags = "".join(f" {text}" for text, on in extras if on)
         return f"{self.op} N={self.hidden_size} M={self.rows} x={self.dtype} w={self.weight_dtype}{flags}"
+
+    @property
+    def rms(self) -> bool:
+        return self.op.startswith("rms_norm")
+
+    @property
+    def backward(self) -> bool:
+        return self.op.endswith("_backward")
 
 
 @dataclass(frozen=True)
@@ -96,22 +128,102 @@ def poisoned_allocations():
         cupy.cuda.set_allocator(allocator)
 
 
-def default_cases(sizes=None, rows=DEFAULT_ROWS, dtypes_=dtypes.NAMES, ops=OPS, heuristic=True) -> list:
-    """LayerNorm: tuned sizes (plus a heuristic sample) x dtypes x {input-dtype,
-    fp32} weights x rows. attention_delta: head dims x every (out, grad_out)
-    dtype pair x rows. `sizes` replaces both size lists."""
+# The general-path sweep (any N, layouts, weights, dtype mixes, in place) and the flag sweep
+# (RMSNorm, residual, zero-centered weight): sizes, and the dtype mixes drawn from.
+GENERAL_SIZES = tuple(range(1, 34)) + (1536, 2304, 3840, 12800, 4097, 65537, 131072, 262144)
+FLAG_SIZES = (1, 7, 768, 1024, 4096, 4097, 8192, 16384, 65536, 65537)
+
+
+def _mixes(dtypes_) -> list:
+    """(x, weight, bias, out) dtype mixes: every weight x bias pair beside each
+    x, and every out dtype, with the rest following x."""
+    mixes = []
+    for x in dtypes_:
+        mixes += [(x, w, b, x) for w in dtypes.NAMES for b in dtypes.NAMES]
+        mixes += [(x, x, x, o) for o in dtypes.NAMES if o != x]
+    return mixes
+
+
+def general_cases(sizes=None, rows=(37,), dtypes_=dtypes.NAMES) -> list:
+    """Issue-3 coverage for LayerNorm forward and backward: every N in
+    GENERAL_SIZES (bf16 and fp32), every row layout, every dtype mix, weights
+    absent, broadcast, strided and offset, and in place."""
+    cases = []
+    for op in ("layer_norm", "layer_norm_backward"):
+        for n, m in itertools.product(sizes or GENERAL_SIZES, rows):
+            for dt in dict.fromkeys(d for d in ("bfloat16", "float32") if d in dtypes_):
+                cases.append(Case(op, n, m, dt, dt))
+        for m in rows:
+            for layout in LAYOUTS[1:]:
+                for n in (1000, 4096):
+                    cases.append(Case(op, n, m, "bfloat16", "float32", layout=layout))
+            for x, w, b, o in _mixes(dtypes_):
+                cases.append(Case(op, 1000, m, x, w, bias_dtype=b, out_dtype=o))
+            for wl in WEIGHT_LAYOUTS[1:]:
+                for n in (1024, 1001):
+                    cases.append(Case(op, n, m, "bfloat16", "bfloat16", weight_layout=wl))
+            for hw, hb in ((False, False), (True, False), (False, True)):
+                for n in (1024, 33):
+                    cases.append(Case(op, n, m, "bfloat16", "bfloat16", has_weight=hw, has_bias=hb))
+            for n, layout in ((4096, "contiguous"), (4097, "contiguous"), (1000, "offset:3"), (1000, "stride:+13")):
+                cases.append(Case(op, n, m, "bfloat16", "bfloat16", layout=layout, in_place=True))
+    return cases
+
+
+def flag_cases(sizes=None, rows=(37,), dtypes_=dtypes.NAMES) -> list:
+    """Issue-4 coverage: RMSNorm and LayerNorm, forward and backward, with and
+    without residual / dresidual and zero-centered weights over FLAG_SIZES
+    (bf16), every (x, residual) dtype pair and weight dtype, odd layouts, in
+    place and without weights."""
+    cases = []
+    for op in NORM_OPS:
+        rms = op.startswith("rms")
+
+        def case(n, m, x, w, **kw):
+            return Case(op, n, m, x, w, has_bias=not rms, **kw)
+
+        for n, m in itertools.product(sizes or FLAG_SIZES, rows):
+            for res, zc in ((None, False), (None, True), ("bfloat16", True), ("float32", False)):
+                cases.append(case(n, m, "bfloat16", "bfloat16", residual_dtype=res, zero_centered=zc))
+        for m in rows:
+            for x, res in itertools.product(dtypes_, dtypes.NAMES):
+                cases.append(case(4097, m, x, x, residual_dtype=res, zero_centered=True))
+            for x, w in itertools.product(dtypes_, dtypes.NAMES):
+                cases.append(case(1000, m, x, w, residual_dtype="float32", out_dtype="float32" if x != w else None))
+            for layout in ("offset:1", "offset:5", "stride:+13", "stride:+64"):
+                for n in (1000, 4096):
+                    cases.append(case(n, m, "bfloat16", "float32", residual_dtype="bfloat16", zero_centered=True,
+                                      layout=layout))
+            cases.append(case(4096, m, "bfloat16", "bfloat16", residual_dtype="bfloat16", in_place=True))
+            cases.append(Case(op, 1001, m, "bfloat16", "bfloat16", has_weight=False, has_bias=False,
+                              residual_dtype="float32"))
+    return cases
+
+
+def default_cases(sizes=None, rows=DEFAULT_ROWS, dtypes_=dtypes.NAMES, ops=OPS, heuristic=True,
+                  sweeps=SWEEPS) -> list:
+    """The "tuned" sweep: tuned sizes (plus a heuristic sample) x dtypes x
+    {input-dtype, fp32} weights x rows for LayerNorm and RMSNorm; attention_delta:
+    head dims x every (out, grad_out) dtype pair x rows. "general" and "flags"
+    add general_cases and flag_cases (at 37 rows). `sizes` replaces every size
+    list; `ops` filters."""
     ln_sizes = tuple(sizes) if sizes else dispatch.TUNED_SIZES + (HEURISTIC_SAMPLE if heuristic else ())
     cases = []
-    for op in ops:
-        if op == "attention_delta":
-            for k, dt, gdt, m in itertools.product(tuple(sizes) if sizes else DELTA_HEAD_DIMS, dtypes_, dtypes_,
-                                                   rows):
-                cases.append(Case(op, k, m, dt, gdt))
-            continue
-        for n, dt, m in itertools.product(ln_sizes, dtypes_, rows):
-            for wdt in dict.fromkeys((dt, "float32")):
-                cases.append(Case(op, n, m, dt, wdt))
-    return cases
+    if "tuned" in sweeps:
+        for op in ops:
+            if op == "attention_delta":
+                for k, dt, gdt, m in itertools.product(tuple(sizes) if sizes else DELTA_HEAD_DIMS, dtypes_,
+                                                       dtypes_, rows):
+                    cases.append(Case(op, k, m, dt, gdt))
+                continue
+            for n, dt, m in itertools.product(ln_sizes, dtypes_, rows):
+                for wdt in dict.fromkeys((dt, "float32")):
+                    cases.append(Case(op, n, m, dt, wdt, has_bias=not op.startswith("rms")))
+    if "general" in sweeps:
+        cases += [c for c in general_cases(sizes, dtypes_=dtypes_) if c.op in ops]
+    if "flags" in sweeps:
+        cases += [c for c in flag_cases(sizes, dtypes_=dtypes_) if c.op in ops]
+    return list(dict.fromkeys(cases))
 
 
 def _gpu_rng(rng):
@@ -131,22 +243,128 @@ def delta_inputs(gen, rows: int, k: int, out_dtype: str, grad_dtype: str):
     return o.astype(dtypes.numpy_dtype(out_dtype)), go.astype(dtypes.numpy_dtype(grad_dtype))
 
 
+def case_call(case: Case) -> dict:
+    """The dispatch call a norm case makes, derived without a GPU: the case's
+    dtypes and flags, and the vector widths its layout allows (the row tensors
+    in the case's layout beside fresh, contiguous outputs)."""
+    from . import layout, norm
+
+    n, m = case.hidden_size, case.rows
+    base = norm.call_base(rms=case.rms, backward=case.backward, hidden_size=n, input_dtype=case.dtype,
+                          output_dtype=case.out_dtype or case.dtype,
+                          weight_dtype=case.weight_dtype if case.has_weight else None,
+                          bias_dtype=(case.bias_dtype or case.weight_dtype) if case.has_bias and not case.rms
+                          else None,
+                          residual_dtype=case.residual_dtype, zero_centered=case.zero_centered)
+    kind, _, k = case.layout.partition(":")
+    offset, ld = (int(k), n) if kind == "offset" else (0, n + int(k)) if kind == "stride" else (0, n)
+    inputs = 2 + (case.residual_dtype is not None) if case.backward else 1 + (case.residual_dtype is not None)
+    rows = [layout.Rows(f"in{i}", None, m, ld, offset) for i in range(inputs)]
+    outputs = 1 + (case.residual_dtype is not None and not case.backward) - case.in_place
+    rows += [layout.fresh_rows(f"out{i}", m, n, 0) for i in range(outputs)]
+    max_vector, aligned_vector = layout.vector_widths(rows, n, dtypes.itemsize(case.dtype))
+    return dict(base, max_vector=max_vector, aligned_vector=aligned_vector)
+
+
+def _fill(view, values):
+    view[...] = values
+    return view
+
+
+def row_tensor(gen, rows: int, n: int, dtype: str, layout: str, values):
+    """A (rows, n) array in `layout` holding `values` (float32 on the GPU).
+    The rest of its buffer is NaN: a kernel that reads past a row's ends and
+    lets those lanes in cannot pass."""
+    import cupy
+
+    dt = dtypes.numpy_dtype(dtype)
+    if layout == "contiguous":
+        return values.astype(dt)
+    kind, k = layout.split(":")
+    k = int(k)
+    if kind == "offset":
+        buf = cupy.full(rows * n + k, np.nan, dtype=dt)
+        return _fill(buf[k:].reshape(rows, n), values)
+    if kind == "stride":
+        buf = cupy.full((rows, n + k), np.nan, dtype=dt)
+        return _fill(buf[:, :n], values)
+    raise ValueError(f"layout: unknown {layout!r}; expected one of {', '.join(LAYOUTS)}")
+
+
+def weight_vector(n: int, dtype: str, layout: str, values):
+    """A weight of length n in `layout` (broadcast: the first value everywhere, stride 0)."""
+    import cupy
+
+    dt = dtypes.numpy_dtype(dtype)
+    if layout == "contiguous":
+        return values.astype(dt)
+    if layout == "broadcast":
+        return cupy.broadcast_to(values[:1].astype(dt), (n,))
+    if layout == "strided":
+        buf = cupy.full(2 * n, np.nan, dtype=dt)
+        return _fill(buf[::2], values)
+    if layout == "offset":
+        buf = cupy.full(n + 1, np.nan, dtype=dt)
+        return _fill(buf[1:], values)
+    raise ValueError(f"weight_layout: unknown {layout!r}; expected one of {', '.join(WEIGHT_LAYOUTS)}")
+
+
 def _inputs(case: Case, rng):
+    """x (rows far from zero mean), weight, bias, residual for a case."""
     m, n = case.rows, case.hidden_size
-    dt, wdt = dtypes.numpy_dtype(case.dtype), dtypes.numpy_dtype(case.weight_dtype)
     g = _gpu_rng(rng)
     sign = g.randint(0, 2, size=(m, 1)) * 2.0 - 1.0
     shift = sign * g.uniform(1, 3, size=(m, 1))  # rows far from zero mean
-    x = (g.standard_normal((m, n), dtype="float32") * float(rng.uniform(0.5, 2.0)) + shift).astype(dt)
-    w = (1.0 + 0.5 * g.standard_normal(n, dtype="float32")).astype(wdt) if case.has_weight else None
-    b = (0.5 * g.standard_normal(n, dtype="float32")).astype(wdt) if case.has_bias else None
-    return x, w, b
+    xv = g.standard_normal((m, n), dtype="float32") * float(rng.uniform(0.5, 2.0)) + shift
+    x = row_tensor(g, m, n, case.dtype, case.layout, xv.astype(np.float32))
+    w = (weight_vector(n, case.weight_dtype, case.weight_layout,
+                       (1.0 + 0.5 * g.standard_normal(n, dtype="float32")) * (0.5 if case.zero_centered else 1.0))
+         if case.has_weight else None)
+    bdt = case.bias_dtype or case.weight_dtype
+    b = (weight_vector(n, bdt, case.weight_layout, 0.5 * g.standard_normal(n, dtype="float32"))
+         if case.has_bias and not case.rms else None)
+    r = None
+    if case.residual_dtype is not None and not case.backward:
+        r = row_tensor(g, m, n, case.residual_dtype, case.layout, g.standard_normal((m, n), dtype="float32"))
+    return x, w, b, r
+
+
+def precompile(cases, device_id: int | None = None, workers: int = 16) -> int:
+    """Compiles every distinct kernel the cases run, in parallel threads (the
+    compile cache is thread-safe), so that running them is not compile-bound.
+    Returns how many traits were compiled; cases with no legal traits are left
+    to raise when run."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import cupy
+
+    from .attention_delta import heuristic as delta_heuristic
+    from .compiler import device_arch, kernels_for
+
+    dev = cupy.cuda.Device().id if device_id is None else device_id
+    arch = device_arch(dev)
+    wanted = set()
+    for case in cases:
+        try:
+            if case.op == "attention_delta":
+                wanted.add(delta_heuristic(case.hidden_size, case.dtype, case.weight_dtype, 16))
+            else:
+                wanted.add(dispatch.choose(arch=arch, **case_call(case))[0])
+        except ValueError:
+            continue
+
+    def build(t):
+        with cupy.cuda.Device(dev):
+            kernels_for(t, dev)
+
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        list(pool.map(build, wanted))
+    return len(wanted)
 
 
 def run_case(case: Case, rng=None) -> list:
     """Runs one case on the current GPU; a Result per output."""
     from .attention_delta import attention_delta
-    from .layer_norm import layer_norm, layer_norm_backward
 
     rng = rng or np.random.default_rng()
     if case.op == "attention_delta":
@@ -155,27 +373,80 @@ def run_case(case: Case, rng=None) -> list:
             d = attention_delta(o, go)
         tol = DELTA_TOLERANCE_FP32 if (case.dtype, case.weight_dtype) == ("float32", "float32") else DELTA_TOLERANCE
         return [Result(case, "delta", rel_l2(d, reference.attention_delta(o, go)), tol)]
-    x, w, b = _inputs(case, rng)
-    eps = 1e-5
-    y_ref, mean_ref, rstd_ref = reference.layer_norm(x, w, b, eps)
-    results = []
-    if case.op == "layer_norm":
-        with poisoned_allocations():
-            y, mean, rstd = layer_norm(x, w, b, eps, return_stats=True)
-        results += [Result(case, "y", rel_l2(y, y_ref), TOLERANCE[case.dtype]),
-                    Result(case, "mean", rel_l2(mean, mean_ref), TOLERANCE["float32"]),
-                    Result(case, "rstd", rel_l2(rstd, rstd_ref), TOLERANCE["float32"])]
-    elif case.op == "layer_norm_backward":
-        dy = _gpu_rng(rng).standard_normal(x.shape, dtype="float32").astype(dtypes.numpy_dtype(case.dtype))
-        mean, rstd = mean_ref.astype(np.float32), rstd_ref.astype(np.float32)
-        with poisoned_allocations():
-            dx, dw, db = layer_norm_backward(dy, x, mean, rstd, w, has_bias=case.has_bias)
-        dx_ref, dw_ref, db_ref = reference.layer_norm_backward(dy, x, mean, rstd, w)
-        results.append(Result(case, "dx", rel_l2(dx, dx_ref), TOLERANCE[case.dtype]))
-        if case.has_weight:
-            results.append(Result(case, "dweight", rel_l2(dw, dw_ref), TOLERANCE[case.weight_dtype]))
-        if case.has_bias:
-            results.append(Result(case, "dbias", rel_l2(db, db_ref), TOLERANCE[case.weight_dtype]))
-    else:
+    if case.op not in NORM_OPS:
         raise ValueError(f"unknown op {case.op!r}")
+    return (_run_backward if case.backward else _run_forward)(case, rng)
+
+
+def _run_forward(case: Case, rng) -> list:
+    from .norm import layer_norm, rms_norm
+
+    x, w, b, r = _inputs(case, rng)
+    eps = 1e-5
+    h = reference.add_residual(x, r)
+    zc = case.zero_centered
+    if case.rms:
+        y_ref, rstd_ref = reference.rms_norm(h, w, eps, zero_centered_weight=zc)
+        stats_ref = [("rstd", rstd_ref)]
+    else:
+        y_ref, mean_ref, rstd_ref = reference.layer_norm(h, w, b, eps, zero_centered_weight=zc)
+        stats_ref = [("mean", mean_ref), ("rstd", rstd_ref)]
+    kwargs = dict(residual=r, zero_centered_weight=zc, return_stats=True, out_dtype=case.out_dtype,
+                  out=x if case.in_place else None)
+    with poisoned_allocations():
+        got = rms_norm(x, w, eps, **kwargs) if case.rms else layer_norm(x, w, b, eps, **kwargs)
+    got = list(got)
+    y = got.pop(0)
+    results = [Result(case, "y", rel_l2(y, y_ref), TOLERANCE[case.out_dtype or case.dtype])]
+    if case.in_place and y is not x:
+        results.append(Result(case, "y is x", float("inf"), 0.0))
+    if r is not None:
+        results.append(Result(case, "residual_out", rel_l2(got.pop(0), h), TOLERANCE[case.residual_dtype]))
+    for (name, ref), value in zip(stats_ref, got):
+        results.append(Result(case, name, rel_l2(value, ref), TOLERANCE["float32"]))
+    return results
+
+
+def _run_backward(case: Case, rng) -> list:
+    import cupy
+
+    from .norm import layer_norm_backward, rms_norm_backward
+
+    x, w, _, _ = _inputs(case, rng)
+    g = _gpu_rng(rng)
+    m, n = case.rows, case.hidden_size
+    dy = row_tensor(g, m, n, case.out_dtype or case.dtype, case.layout, g.standard_normal((m, n), dtype="float32"))
+    dres = None
+    if case.residual_dtype is not None:
+        dres = row_tensor(g, m, n, case.residual_dtype, case.layout, g.standard_normal((m, n), dtype="float32"))
+    zc = case.zero_centered
+    eps = 1e-5
+    kwargs = dict(dresidual=dres, zero_centered_weight=zc, out=dy if case.in_place else None)
+    if case.rms:
+        _, rstd = reference.rms_norm(x, w, eps, zero_centered_weight=zc)
+        rstd = cupy.asarray(rstd, dtype=np.float32)
+        refs = reference.rms_norm_backward(dy, x, rstd, w, dresidual=dres, zero_centered_weight=zc)
+        with poisoned_allocations():
+            got = rms_norm_backward(dy, x, rstd, w, **kwargs)
+        names = ("dx", "dweight")
+    else:
+        _, mean, rstd = reference.layer_norm(x, w, None, eps, zero_centered_weight=zc)
+        mean, rstd = cupy.asarray(mean, dtype=np.float32), cupy.asarray(rstd, dtype=np.float32)
+        refs = reference.layer_norm_backward(dy, x, mean, rstd, w, dresidual=dres, zero_centered_weight=zc)
+        with poisoned_allocations():
+            got = layer_norm_backward(dy, x, mean, rstd, w, has_bias=case.has_bias, bias_dtype=case.bias_dtype,
+                                      **kwargs)
+        names = ("dx", "dweight", "dbias")
+    tol = {"dx": TOLERANCE[case.dtype], "dweight": TOLERANCE[case.weight_dtype],
+           "dbias": TOLERANCE[case.bias_dtype or case.weight_dtype]}
+    results = []
+    for name, value, ref in zip(names, got, refs):
+        present = {"dweight": case.has_weight, "dbias": case.has_bias}.get(name, True)
+        if not present:
+            if value is not None:
+                results.append(Result(case, f"{name} (absent)", float("inf"), 0.0))
+            continue
+        results.append(Result(case, name, rel_l2(value, ref), tol[name]))
+    if case.in_place and got[0] is not dy:
+        results.append(Result(case, "dx is dy", float("inf"), 0.0))
     return results

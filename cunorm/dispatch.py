@@ -1,16 +1,17 @@
-"""Which traits run a given LayerNorm call.
+"""Which traits run a given normalization call.
 
 Two sources, in this order: the tuned table (knobs measured best on a GPU by
-`python -m cunorm.tune`, the literal in tuned.py), then a heuristic that derives legal traits for
-any other hidden size. Both give only the knobs; the call supplies hidden size,
-dtypes and flags, and `Traits` checks the result.
+`python -m cunorm.tune`, the literal in tuned.py; used for aligned rows without
+a residual), then a heuristic that derives legal traits for any other call.
+Both give only the knobs; the call supplies hidden size, dtypes, flags and what
+its layout allows (`cunorm.layout.vector_widths`), and `Traits` checks the result.
 """
 from __future__ import annotations
 
 import math
 
 from . import dtypes
-from .traits import CLUSTER_MIN_ARCH, DEFAULT_SMEM_LIMIT, KNOBS, SMEM_LIMIT, Traits
+from .traits import CLUSTER_MIN_ARCH, DEFAULT_SMEM_LIMIT, KNOBS, PREFERRED_ELTS_PER_THREAD, SMEM_LIMIT, Traits
 from .tuned import TUNED, TUNED_ARCH  # the measured table, a literal of its own
 
 # Hidden sizes with tuned entries (both directions, every input dtype).
@@ -33,16 +34,54 @@ def tuned_knobs(backward: bool, hidden_size: int, input_dtype: str):
     return TUNED.get((backward, hidden_size, dtypes.itemsize(input_dtype)))
 
 
-def choose(hidden_size: int, input_dtype: str, weight_dtype: str, output_dtype: str, *, has_weight: bool = True,
-           has_bias: bool = True, backward: bool = False, arch: int = CLUSTER_MIN_ARCH) -> tuple:
-    """(Traits, source) for a call, source being "tuned" or "heuristic"."""
-    base = dict(hidden_size=hidden_size, input_dtype=input_dtype, weight_dtype=weight_dtype,
-                output_dtype=output_dtype, has_weight=has_weight, has_bias=has_bias, backward=backward)
-    knobs = tuned_knobs(backward, hidden_size, input_dtype) if arch == TUNED_ARCH else None
-    if knobs is not None:
-        try:  # a tuned shape may not suit every dtype mix or GPU (registers, shared memory, clusters)
-            t = Traits(**base, **dict(zip(KNOBS, knobs)))
-            if dtypes.itemsize(weight_dtype) > dtypes.itemsize(input_dtype):
+def call_fields(*, max_vector: int | None = None, aligned_vector: int | None = None, **fields) -> tuple:
+    """Splits a call into Traits fields and the layout's vector widths
+    (elements of x; by default those of contiguous, aligned arrays)."""
+    if "weight_dtype" in fields:
+        fields.setdefault("bias_dtype", fields["weight_dtype"])
+    if max_vector is None:
+        max_vector = 16 // dtypes.itemsize(fields["input_dtype"])
+    if aligned_vector is None:
+        aligned_vector = max_vector
+        while fields["hidden_size"] % aligned_vector:
+            aligned_vector //= 2
+    return fields, max_vector, aligned_vector
+
+
+def from_knobs(knobs: dict, **call) -> Traits:
+    """Traits for a call with the given knobs; aligned_rows follows from the
+    chosen vector width and the layout."""
+    fields, max_vector, aligned_vector = call_fields(**call)
+    itemsize = dtypes.itemsize(fields["input_dtype"])
+    bytes_per_ldg = knobs.get("bytes_per_ldg", Traits.bytes_per_ldg)
+    elts = bytes_per_ldg // itemsize
+    if elts > max_vector:
+        raise ValueError(f"traits: bytes_per_ldg={bytes_per_ldg} ({elts} elements) is wider than this call's layout "
+                         f"allows ({max_vector * itemsize} bytes): its row tensors sit at different offsets from "
+                         f"{elts}-element boundaries")
+    return Traits(**fields, **knobs, aligned_rows=elts <= aligned_vector)
+
+
+def choose(*, arch: int = CLUSTER_MIN_ARCH, **call) -> tuple:
+    """(Traits, source) for a call, source being "tuned" or "heuristic". A call
+    without aligned rows (odd N, offset views, odd row strides) takes the tuned
+    knobs of its aligned neighbour (N rounded down to whole 16-byte vectors)
+    when they are legal for it."""
+    fields, max_vector, aligned_vector = call_fields(**call)
+    n, input_dtype, backward = fields["hidden_size"], fields["input_dtype"], fields.get("backward", False)
+    aligned = aligned_vector == max_vector
+    neighbour = n - n % (16 // dtypes.itemsize(input_dtype))
+    knobs = tuned_knobs(backward, neighbour, input_dtype) if arch == TUNED_ARCH else None
+    if knobs is not None and not fields.get("has_residual"):
+        try:  # a tuned shape may not suit every dtype mix, layout or GPU (registers, shared memory, clusters)
+            t = from_knobs(dict(zip(KNOBS, knobs)), **call)
+            if t.aligned_rows != aligned:
+                raise ValueError("the layout needs narrower loads than the tuned entry")
+            if not t.aligned_rows and t.threads_per_cta > 256:
+                t = t.replace(cache_weights=False)  # shifted rows take an extra vector and masks: registers
+            present = [t.weight_dtype] * t.has_weight + [t.bias_dtype] * t.has_bias
+            wide = max(map(dtypes.itemsize, present), default=0)
+            if wide > dtypes.itemsize(input_dtype):
                 # Wider weights than the tuned case: never hold them, and no 64-register CTAs.
                 t = t.replace(cache_weights=False)
                 if t.threads_per_cta > 512:
@@ -51,26 +90,32 @@ def choose(hidden_size: int, input_dtype: str, weight_dtype: str, output_dtype: 
             return t, "tuned"
         except ValueError:
             pass
-    return heuristic(arch=arch, **base), "heuristic"
+    return heuristic(arch=arch, elts_per_ldg=max_vector, aligned_rows=aligned, **fields), "heuristic"
 
 
-def heuristic(*, hidden_size: int, input_dtype: str, backward: bool = False, arch: int = CLUSTER_MIN_ARCH,
-              **rest) -> Traits:
+def heuristic(*, hidden_size: int, input_dtype: str, elts_per_ldg: int | None = None, aligned_rows: bool = True,
+              backward: bool = False, arch: int = CLUSTER_MIN_ARCH, **rest) -> Traits:
     """Legal traits for any hidden size: the candidate with the fewest idle
     vector slots and the load count closest to TARGET_LDGS, preferring fewer
-    CTAs per row; then enough rows per CTA to reach MIN_THREADS_PER_CTA."""
+    CTAs per row and rows within the register budget; then enough rows per
+    CTA to reach MIN_THREADS_PER_CTA."""
     itemsize = dtypes.itemsize(input_dtype)
-    # Widest load that divides the row.
-    bytes_per_ldg = next(b for b in (16, 8, 4, 2) if b >= itemsize and hidden_size % (b // itemsize) == 0)
+    if elts_per_ldg is None:  # contiguous aligned rows: the widest vector that divides the row
+        elts_per_ldg = 16 // itemsize
+        while hidden_size % elts_per_ldg:
+            elts_per_ldg //= 2
+    bytes_per_ldg = elts_per_ldg * itemsize
+    two_rows = backward or rest.get("has_residual", False)
     ctas_options = (1, 2, 4, 8) if arch >= CLUSTER_MIN_ARCH else (1,)
     best, best_cost = None, math.inf
     for ctas in ctas_options:
         # Without clusters, a row must fit one CTA (of at most 16 warps: wider CTAs get 64 registers a thread).
         max_warps_n = MAX_HEURISTIC_WARPS_N[backward] if arch >= CLUSTER_MIN_ARCH else 16
-        for warps_n in range(1, max_warps_n + 1):
+        for warps_n in range(1, 33):
             try:
                 t = Traits(hidden_size=hidden_size, input_dtype=input_dtype, backward=backward, warps_n=warps_n,
-                           ctas_per_row=ctas, bytes_per_ldg=bytes_per_ldg, **rest)
+                           ctas_per_row=ctas, bytes_per_ldg=bytes_per_ldg, aligned_rows=aligned_rows, stages=1,
+                           **rest)
             except ValueError:
                 continue
             slots = t.ldgs * t.vec_cols_per_ldg
@@ -79,6 +124,9 @@ def heuristic(*, hidden_size: int, input_dtype: str, backward: bool = False, arc
             ratio = math.log2(t.ldgs / TARGET_LDGS[backward])
             cost = (4.0 * idle + (-ratio if ratio < 0 else 3.0 * ratio) + 0.25 * (ctas - 1)
                     + 0.5 * (warps_n & (warps_n - 1) != 0))
+            # Last resorts, for rows nothing else holds: wider CTAs than the register file favours, more
+            # elements per thread than fit without spilling.
+            cost += 20.0 * (warps_n > max_warps_n) + 40.0 * (t.elts_per_thread > PREFERRED_ELTS_PER_THREAD[two_rows])
             if cost < best_cost:
                 best, best_cost = t, cost
     if best is None:

@@ -3,6 +3,7 @@ kernel family: pick traits (dispatch, or the caller's `traits=`), check them
 against the GPU, compile once (cached per signature and device)."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Mapping
 
@@ -13,33 +14,54 @@ from .compiler import device_arch, kernels_for
 def _plan(family, base: tuple, device_id: int, knobs: tuple | None):
     """Traits and loaded kernels for a call signature on a device, cached so
     that repeated calls skip dispatch and traits checks."""
-    fields = dict(base)
-    arch = device_arch(device_id)
-    if knobs is None:
-        traits = family.choose(arch=arch, **fields)
-    else:
-        traits = family.traits_class(**fields, **dict(knobs))
-        traits.check_arch(arch)
+    traits = choose_traits(family, base, device_arch(device_id), knobs)
     return traits, kernels_for(traits, device_id)
 
 
-def resolve(family, traits, base: dict, device_id: int):
-    """(traits, kernels) for a call. `family` names its `traits_class` (with a
-    KNOBS tuple) and `choose(arch=..., **base)`; `traits` is None (dispatch),
-    a traits object (must match the call) or a mapping of knobs."""
-    key = tuple(sorted(base.items()))
+@functools.lru_cache(maxsize=4096)
+def choose_traits(family, base: tuple, arch: int, knobs: tuple | None):
+    """The traits a call signature runs with on `arch` (nothing compiled)."""
+    fields = dict(base)
+    if knobs is None:
+        return family.choose(arch=arch, **fields)
+    build = getattr(family, "from_knobs", None)
+    traits = build(dict(knobs), **fields) if build else family.traits_class(**fields, **dict(knobs))
+    traits.check_arch(arch)
+    return traits
+
+
+def _knobs(family, traits, key: tuple, arch: int):
+    """The caller's `traits=` as a sorted knob tuple (None: dispatch). A traits
+    object must be the one the call would build from its knobs."""
     cls = family.traits_class
     if traits is None:
-        return _plan(family, key, device_id, None)
+        return None
     if isinstance(traits, cls):
-        for field, want in base.items():
-            have = getattr(traits, field)
+        knobs = tuple(sorted(traits.knobs().items()))
+        built = choose_traits(family, key, arch, knobs)
+        for field in dataclasses.fields(cls):
+            have, want = getattr(traits, field.name), getattr(built, field.name)
             if have != want:
-                raise ValueError(f"traits: {field}={have!r} does not match this call ({want!r})")
-        return _plan(family, key, device_id, tuple(sorted(traits.knobs().items())))
+                raise ValueError(f"traits: {field.name}={have!r} does not match this call ({want!r})")
+        return knobs
     if isinstance(traits, Mapping):
         unknown = set(traits) - set(cls.KNOBS)
         if unknown:
             raise ValueError(f"traits: unknown knobs {sorted(unknown)}; expected some of {list(cls.KNOBS)}")
-        return _plan(family, key, device_id, tuple(sorted(traits.items())))
+        return tuple(sorted(traits.items()))
     raise TypeError(f"traits: expected a cunorm.{cls.__name__} or a mapping of knobs, got {type(traits).__name__}")
+
+
+def resolve(family, traits, base: dict, device_id: int):
+    """(traits, kernels) for a call. `family` names its `traits_class` (with a
+    KNOBS tuple), `choose(arch=..., **base)` and optionally
+    `from_knobs(knobs, **base)`; `traits` is None (dispatch), a traits object
+    (must match the call) or a mapping of knobs."""
+    key = tuple(sorted(base.items()))
+    return _plan(family, key, device_id, _knobs(family, traits, key, device_arch(device_id)))
+
+
+def resolve_traits(family, traits, base: dict, arch: int):
+    """The traits `resolve` would pick on `arch`, without compiling."""
+    key = tuple(sorted(base.items()))
+    return choose_traits(family, key, arch, _knobs(family, traits, key, arch))

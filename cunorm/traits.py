@@ -1,9 +1,10 @@
-"""Kernel traits of the row-normalization family.
+"""Kernel traits of the row-normalization family (LayerNorm and RMSNorm,
+forward and backward).
 
 `Traits` mirrors `kernels/norm_traits.cuh` one-to-one: the same independent
-knobs, the same derived quantities, and every static_assert of the kernels
-re-stated as a ValueError that names the rule, so illegal traits fail in Python
-before anything is compiled or launched.
+knobs and flags, the same derived quantities, and every static_assert of the
+kernels re-stated as a ValueError that names the rule, so illegal traits fail
+in Python before anything is compiled or launched.
 """
 from __future__ import annotations
 
@@ -14,9 +15,12 @@ from . import dtypes
 
 THREADS_PER_WARP = 32
 MAX_THREADS_PER_CTA = 1024
-# Elements of a row one thread holds in registers. Above these, the compiler
-# spills (checked by the compile tier of the tests).
-MAX_ELTS_PER_THREAD = {False: 64, True: 32}  # keyed by `backward`
+# Elements of a row one thread holds in registers: a hard cap, and what the
+# heuristic stays within when it can (above it the compiler spills; the compile
+# tier checks every tuned entry), keyed by "holds two rows" (the backward's x
+# and dy, or the forward's fp32 residual sum beside x).
+MAX_ELTS_PER_THREAD = 64
+PREFERRED_ELTS_PER_THREAD = {False: 64, True: 32}
 SMEM_LIMIT = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}  # per CTA, by arch
 DEFAULT_SMEM_LIMIT = 99 * 1024
 CLUSTER_MIN_ARCH = 90
@@ -27,15 +31,20 @@ KNOBS = ("warps_m", "warps_n", "ctas_per_row", "bytes_per_ldg", "stages", "cache
 # The backward's finalize kernel: warps per CTA (each sums a slice of the partial
 # rows) and columns per CTA (32 lanes x 4 neighbours, or 1 when N % 4 != 0).
 FINALIZE_WARPS = 16
+DTYPE_FIELDS = ("input_dtype", "weight_dtype", "bias_dtype", "output_dtype", "residual_dtype",
+                "residual_out_dtype", "compute_dtype")
 
 
 @dataclass(frozen=True)
 class Traits:
-    """Independent knobs of one LayerNorm kernel; everything else is derived.
+    """Independent knobs and flags of one normalization kernel; everything else
+    is derived.
 
     hidden_size: N, the length of a row.
-    input_dtype: x (and dx); weight_dtype: gamma/beta (and their gradients);
-    output_dtype: y (and dy). Names as in `cunorm.dtypes.NAMES`.
+    input_dtype: x (and dx); weight_dtype: gamma (and dgamma); bias_dtype: beta
+    (and dbeta); output_dtype: y (and dy); residual_dtype: the residual
+    (forward) or dresidual (backward); residual_out_dtype: x + residual as
+    stored (forward). Names as in `cunorm.dtypes.NAMES`.
     warps_m: rows per CTA (one warp-row each); warps_n: warps across a row;
     ctas_per_row: CTAs sharing a row (a thread-block cluster, sm_90+);
     bytes_per_ldg: bytes one thread moves per vector load of x.
@@ -50,6 +59,13 @@ class Traits:
     recompute: (backward) recompute xhat and dy * gamma after the row reduction
       (fewer registers) instead of holding them (fewer instructions).
     has_weight / has_bias: whether gamma / beta are present.
+    rms: RMSNorm (no mean, no bias) rather than LayerNorm.
+    has_residual: forward: x + residual is normalized and stored; backward:
+      dresidual is added into dx.
+    zero_centered: the weight multiplies as (1 + gamma).
+    aligned_rows: every row starts on a vector boundary and is whole vectors
+      long (the fast path); otherwise the general kernel reads each row in the
+      aligned frame around it and masks the lanes outside the row.
     backward: the backward kernel (dx, dgamma, dbeta) rather than the forward.
     """
 
@@ -57,6 +73,9 @@ class Traits:
     input_dtype: str = "float32"
     weight_dtype: str = "float32"
     output_dtype: str = "float32"
+    bias_dtype: str = "float32"
+    residual_dtype: str = "float32"
+    residual_out_dtype: str = "float32"
     compute_dtype: str = "float32"
     warps_m: int = 1
     warps_n: int = 1
@@ -69,12 +88,16 @@ class Traits:
     recompute: bool = True
     has_weight: bool = True
     has_bias: bool = True
+    rms: bool = False
+    has_residual: bool = False
+    zero_centered: bool = False
+    aligned_rows: bool = True
     backward: bool = False
 
     KNOBS = KNOBS  # what `traits=` may force and tuning varies
 
     def __post_init__(self):
-        for field in ("input_dtype", "weight_dtype", "output_dtype", "compute_dtype"):
+        for field in DTYPE_FIELDS:
             object.__setattr__(self, field, dtypes.name_of(getattr(self, field)))
         self._check()
 
@@ -97,7 +120,9 @@ class Traits:
 
     @property
     def vec_cols(self) -> int:
-        return self.hidden_size // self.elts_per_ldg
+        """Vectors a row touches: N / E aligned; shifted rows up to one more."""
+        e = self.elts_per_ldg
+        return self.hidden_size // e if self.aligned_rows else (self.hidden_size + 2 * e - 2) // e
 
     @property
     def vec_cols_per_ldg(self) -> int:
@@ -113,7 +138,26 @@ class Traits:
 
     @property
     def full_tiles(self) -> bool:
-        return self.vec_cols % self.vec_cols_per_ldg == 0
+        return self.aligned_rows and self.vec_cols % self.vec_cols_per_ldg == 0
+
+    def _pipe_bytes(self, dtype: str) -> int:
+        return self.stages * self.stage_slots * self.elts_per_ldg * dtypes.itemsize(dtype) if self.stages > 1 else 0
+
+    def _weight_slot_bytes(self, dtype: str) -> int:
+        """A weight kept in shared-memory slots (general kernel, not cached in registers)."""
+        in_smem = not self.cache_weights and not self.aligned_rows
+        return self.stage_slots * self.elts_per_ldg * dtypes.itemsize(dtype) if in_smem else 0
+
+    @property
+    def staged_dtypes(self) -> tuple:
+        """Dtypes of the row tensors read through the row pipeline."""
+        first = ("input_dtype", "output_dtype") if self.backward else ("input_dtype",)
+        names = first + (("residual_dtype",) if self.has_residual else ())
+        return tuple(getattr(self, n) for n in names)
+
+    @property
+    def holds_two_rows(self) -> bool:
+        return self.backward or self.has_residual
 
     @property
     def stage_slots(self) -> int:
@@ -122,21 +166,24 @@ class Traits:
     @property
     def smem_bytes(self) -> int:
         """Dynamic shared memory: staged rows ([STAGES][WARPS_M][LDGS][THREADS_PER_ROW]
-        vectors of x, and of dy in the backward) and, in the backward, the
+        vectors of every staged row tensor), weights kept in shared-memory slots
+        ([WARPS_M][LDGS][THREADS_PER_ROW] vectors), and, in the backward, the
         column-sum slots (2 x [WARPS_M][LDGS][THREADS_PER_ROW] fp32 vectors) when
         the sums live there or WARPS_M rows must be folded."""
-        elts = self.elts_per_ldg
-        vec_bytes = elts * dtypes.itemsize(self.input_dtype)
+        staged = sum(self._pipe_bytes(d) for d in self.staged_dtypes)
         if self.backward:
-            vec_bytes += elts * dtypes.itemsize(self.output_dtype)
-        staged = self.stages * self.stage_slots * vec_bytes if self.stages > 1 else 0
-        sums = 2 * self.stage_slots * elts * 4 if self.backward and (self.smem_accumulators or self.warps_m > 1) else 0
-        return staged + sums
+            folds = self.smem_accumulators or self.warps_m > 1
+            sums = 2 * self.stage_slots * self.elts_per_ldg * 4 if folds else 0
+            weights = self._weight_slot_bytes(self.weight_dtype) if self.has_weight else 0
+            return sums + staged + weights
+        weights = ((self._weight_slot_bytes(self.weight_dtype) if self.has_weight else 0)
+                   + (self._weight_slot_bytes(self.bias_dtype) if self.has_bias else 0))
+        return staged + weights
 
     @property
     def source_file(self) -> str:
         """The kernels/ file these traits render."""
-        return "layer_norm_bwd.cu" if self.backward else "layer_norm_fwd.cu"
+        return "norm_bwd.cu" if self.backward else "norm_fwd.cu"
 
     @property
     def finalize_cols_per_cta(self) -> int:
@@ -146,9 +193,9 @@ class Traits:
         """{kernel name: (threads per CTA, dynamic shared memory bytes)} for the
         extern "C" kernels of source_file."""
         if self.backward:
-            return {"layer_norm_bwd": (self.threads_per_cta, self.smem_bytes),
-                    "layer_norm_bwd_finalize": (FINALIZE_WARPS * THREADS_PER_WARP, 0)}
-        return {"layer_norm_fwd": (self.threads_per_cta, self.smem_bytes)}
+            return {"norm_bwd": (self.threads_per_cta, self.smem_bytes),
+                    "norm_bwd_finalize": (FINALIZE_WARPS * THREADS_PER_WARP, 0)}
+        return {"norm_fwd": (self.threads_per_cta, self.smem_bytes)}
 
     @property
     def uses_cluster(self) -> bool:
@@ -167,17 +214,18 @@ class Traits:
         rule(self.bytes_per_ldg in (2, 4, 8, 16), "BYTES_PER_LDG must be 2, 4, 8 or 16")
         rule(self.bytes_per_ldg % dtypes.itemsize(self.input_dtype) == 0,
              "BYTES_PER_LDG must hold whole input elements")
-        rule(self.hidden_size % self.elts_per_ldg == 0,
-             f"hidden size must be a multiple of the elements per load ({self.elts_per_ldg})")
+        rule(not self.aligned_rows or self.hidden_size % self.elts_per_ldg == 0,
+             f"aligned rows must be whole vectors long: the hidden size must be a multiple of the elements per "
+             f"load ({self.elts_per_ldg})")
         rule(self.ctas_per_row in (1, 2, 4, 8), "CTAS_PER_ROW must be 1, 2, 4 or 8 (a portable cluster)")
         rule(self.ctas_per_row == 1 or self.warps_m == 1, "several CTAs per row need WARPS_M == 1")
-        rule(self.elts_per_thread <= MAX_ELTS_PER_THREAD[self.backward],
-             f"{self.elts_per_thread} elements per thread exceed the register budget of "
-             f"{MAX_ELTS_PER_THREAD[self.backward]} ({'backward' if self.backward else 'forward'})")
+        rule(self.elts_per_thread <= MAX_ELTS_PER_THREAD,
+             f"{self.elts_per_thread} elements per thread exceed the register budget of {MAX_ELTS_PER_THREAD}")
         rule(1 <= self.stages <= 8, "STAGES must be 1..8")
-        rule(self.stages == 1 or (self.bytes_per_ldg >= 4 and
-                                  self.elts_per_ldg * dtypes.itemsize(self.output_dtype) >= 4),
-             "staged rows need vectors of x and y/dy of >= 4 bytes (cp.async moves 4-16 bytes)")
+        rule(self.stages == 1 or all(self.elts_per_ldg * dtypes.itemsize(d) >= 4 for d in self.staged_dtypes),
+             "staged rows need vectors of >= 4 bytes of every staged row tensor (cp.async moves 4-16 bytes)")
+        rule(not (self.rms and self.has_bias), "RMSNorm has no bias")
+        rule(not self.zero_centered or self.has_weight, "a zero-centered weight needs a weight")
         rule(1 <= self.min_ctas_per_sm and self.min_ctas_per_sm * self.threads_per_cta <= 2048,
              "MIN_CTAS_PER_SM must be >= 1 and fit 2048 threads per SM")
         rule(self.smem_bytes <= SMEM_LIMIT[90], f"{self.smem_bytes} bytes of shared memory exceed 227 KB")
@@ -188,7 +236,7 @@ class Traits:
         """Rules that depend on the GPU: sm_80 or newer; clusters need sm_90;
         shared memory within the GPU's per-CTA limit."""
         if arch < MIN_ARCH:
-            raise ValueError(f"illegal traits {self.short()}: the LayerNorm kernels need sm_{MIN_ARCH} or newer "
+            raise ValueError(f"illegal traits {self.short()}: the normalization kernels need sm_{MIN_ARCH} or newer "
                              f"(cp.async, bf16 conversions), not sm_{arch}")
         if self.uses_cluster and arch < CLUSTER_MIN_ARCH:
             raise ValueError(f"illegal traits {self.short()}: CTAS_PER_ROW > 1 needs thread-block clusters "
@@ -203,7 +251,10 @@ class Traits:
         return dataclasses.replace(self, **changes)
 
     def short(self) -> str:
-        return (f"N={self.hidden_size} {self.input_dtype}/{self.weight_dtype}->{self.output_dtype} "
+        flags = "".join(f" {name}" for name, on in (("rms", self.rms), ("residual", self.has_residual),
+                                                     ("zero-centered", self.zero_centered),
+                                                     ("general", not self.aligned_rows)) if on)
+        return (f"N={self.hidden_size} {self.input_dtype}/{self.weight_dtype}->{self.output_dtype}{flags} "
                 f"WARPS_M={self.warps_m} WARPS_N={self.warps_n} CTAS_PER_ROW={self.ctas_per_row} "
                 f"BYTES_PER_LDG={self.bytes_per_ldg} STAGES={self.stages} CACHE_WEIGHTS={int(self.cache_weights)} "
                 f"MIN_CTAS_PER_SM={self.min_ctas_per_sm}" + (" SMEM_ACCUMULATORS=1" if self.smem_accumulators else "")
@@ -223,7 +274,10 @@ class Traits:
         return {
             "INPUT_T": dtypes.cxx_type(self.input_dtype),
             "WEIGHT_T": dtypes.cxx_type(self.weight_dtype),
+            "BIAS_T": dtypes.cxx_type(self.bias_dtype),
             "OUTPUT_T": dtypes.cxx_type(self.output_dtype),
+            "RESIDUAL_T": dtypes.cxx_type(self.residual_dtype),
+            "RESIDUAL_OUT_T": dtypes.cxx_type(self.residual_out_dtype),
             "COMPUTE_T": dtypes.cxx_type(self.compute_dtype),
             "HIDDEN_SIZE": self.hidden_size,
             "WARPS_M": self.warps_m,
@@ -232,6 +286,10 @@ class Traits:
             "BYTES_PER_LDG": self.bytes_per_ldg,
             "HAS_WEIGHT": "true" if self.has_weight else "false",
             "HAS_BIAS": "true" if self.has_bias else "false",
+            "RMS": "true" if self.rms else "false",
+            "HAS_RESIDUAL": "true" if self.has_residual else "false",
+            "ZERO_CENTERED": "true" if self.zero_centered else "false",
+            "ALIGNED_ROWS": "true" if self.aligned_rows else "false",
             "CACHE_WEIGHTS": "true" if self.cache_weights else "false",
             "MIN_CTAS_PER_SM": self.min_ctas_per_sm,
             "STAGES": self.stages,

@@ -97,7 +97,7 @@ def tune(hidden_size: int, dtype: str = "bfloat16", backward: bool = False, elem
     """[(ms, traits)] sorted fastest first: every shape, then the extras on the `keep` fastest shapes."""
     import cupy
 
-    from .layer_norm import layer_norm, layer_norm_backward
+    from .norm import layer_norm, layer_norm_backward
 
     m = max(1, elements // hidden_size)
     dt = dtypes.numpy_dtype(dtype)

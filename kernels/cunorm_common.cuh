@@ -87,10 +87,12 @@ struct Vec {
   static constexpr int CHUNK_BYTES = BYTES < 16 ? BYTES : 16;
   static constexpr int CHUNKS = BYTES / CHUNK_BYTES;
   static constexpr int WORDS = BYTES < 4 ? 1 : BYTES / 4;
+  static constexpr int ELTS = N;
   using chunk_t = typename RawChunk<CHUNK_BYTES>::type;
   union {
     chunk_t raw[CHUNKS];
     unsigned words[WORDS];  // a lone 16-bit element sits in the low half
+    T elts[N];              // element-wise access at a row's ends
   };
 
   // Loads vector number `vec` of a row that starts at `row`.
@@ -115,6 +117,9 @@ struct Vec {
 #pragma unroll
     for (int i = 0; i < WORDS; ++i) asm volatile("" : "+r"(words[i]));
   }
+  __device__ __forceinline__ T raw_elt(int i) const { return elts[i]; }
+  __device__ __forceinline__ void set_raw(int i, T v) { elts[i] = v; }
+  __device__ __forceinline__ void set_raw_zero(int i) { elts[i] = T{}; }
   __device__ __forceinline__ float get(int i) const { return Packed<T>::get(words, i); }
   __device__ __forceinline__ void set(int i, float v) { Packed<T>::set(words, i, v); }
   __device__ __forceinline__ void add(int i, float v) { set(i, get(i) + v); }
@@ -131,13 +136,13 @@ struct Vec {
 };
 
 // Asynchronous global -> shared copies (sm_80+): the data skips registers, so
-// rows in flight cost shared memory instead. `valid` false fills zeros and
-// reads nothing (src must still be a mapped address).
+// rows in flight cost shared memory instead. Copies the first `src_bytes`
+// (0..BYTES) bytes and fills the rest with zeros; with 0 it reads nothing
+// (src must still be a mapped address).
 template <int BYTES>
-__device__ __forceinline__ void cp_async_zfill(void* smem, const void* gmem, bool valid) {
+__device__ __forceinline__ void cp_async_zfill(void* smem, const void* gmem, int src_bytes) {
   static_assert(BYTES == 4 || BYTES == 8 || BYTES == 16, "cp.async moves 4, 8 or 16 bytes");
   const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  const int src_bytes = valid ? BYTES : 0;
   if constexpr (BYTES == 16)
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(gmem), "r"(src_bytes) : "memory");
   else

@@ -1,13 +1,17 @@
-// Kernel traits of the row-normalization family, filled in from cunorm.Traits.
+// Kernel traits of the row-normalization family (LayerNorm and RMSNorm,
+// forward and backward), filled in from cunorm.Traits.
 //
-// The independent knobs are rendered from Python; everything else is derived
-// here, and cunorm/traits.py derives the same quantities and states the same
-// rules (the static_asserts at the end check that the two agree).
+// The independent knobs and flags are rendered from Python; everything else is
+// derived here, and cunorm/traits.py derives the same quantities and states the
+// same rules (the static_asserts at the end check that the two agree).
 #pragma once
 
-typedef ${INPUT_T} input_t;    // x, dx
-typedef ${WEIGHT_T} weight_t;  // gamma, beta, dgamma, dbeta
-typedef ${OUTPUT_T} output_t;  // y, dy
+typedef ${INPUT_T} input_t;          // x (forward); x and dx (backward)
+typedef ${WEIGHT_T} weight_t;        // gamma and dgamma
+typedef ${BIAS_T} bias_t;            // beta and dbeta
+typedef ${OUTPUT_T} output_t;        // y (forward), dy (backward)
+typedef ${RESIDUAL_T} residual_t;    // residual (forward), dresidual (backward)
+typedef ${RESIDUAL_OUT_T} residual_out_t;  // residual_out = x + residual (forward)
 typedef ${COMPUTE_T} compute_t;
 
 constexpr int COLS = ${HIDDEN_SIZE};
@@ -16,8 +20,17 @@ constexpr int WARPS_N = ${WARPS_N};
 #define CN_CTAS_PER_ROW ${CTAS_PER_ROW}
 constexpr int CTAS_PER_ROW = CN_CTAS_PER_ROW;
 constexpr int BYTES_PER_LDG = ${BYTES_PER_LDG};
+constexpr bool RMS = ${RMS};                      // RMSNorm (no mean) rather than LayerNorm
 constexpr bool HAS_WEIGHT = ${HAS_WEIGHT};
 constexpr bool HAS_BIAS = ${HAS_BIAS};
+constexpr bool HAS_RESIDUAL = ${HAS_RESIDUAL};    // forward: residual added; backward: dresidual added
+constexpr bool ZERO_CENTERED = ${ZERO_CENTERED};  // the weight multiplies as (1 + gamma)
+// Every row starts on a vector boundary and is whole vectors long. Otherwise
+// (the general kernel) a row is read in the aligned frame around it: vector v
+// of a row covers the elements [v * E - shift, (v + 1) * E - shift), where
+// shift is the row start's offset from a vector boundary, and the lanes
+// outside the row are masked.
+constexpr bool ALIGNED_ROWS = ${ALIGNED_ROWS};
 constexpr bool CACHE_WEIGHTS = ${CACHE_WEIGHTS};
 constexpr int MIN_CTAS_PER_SM = ${MIN_CTAS_PER_SM};
 constexpr int STAGES = ${STAGES};  // rows in flight per thread (>= 2: staged in shared memory)
@@ -27,12 +40,13 @@ constexpr int THREADS_PER_ROW = WARPS_N * THREADS_PER_WARP;
 constexpr int ROWS_PER_CTA = WARPS_M;
 constexpr int THREADS_PER_CTA = WARPS_M * THREADS_PER_ROW;
 constexpr int ELTS_PER_LDG = BYTES_PER_LDG / int(sizeof(input_t));
-constexpr int VEC_COLS = COLS / ELTS_PER_LDG;                    // vectors in a row
+// Vectors a row touches: COLS / E when aligned; up to one more when shifted.
+constexpr int VEC_COLS = ALIGNED_ROWS ? COLS / ELTS_PER_LDG : (COLS + 2 * ELTS_PER_LDG - 2) / ELTS_PER_LDG;
 constexpr int VEC_COLS_PER_LDG = CTAS_PER_ROW * THREADS_PER_ROW;  // vectors one LDG step covers
 constexpr int LDGS = (VEC_COLS + VEC_COLS_PER_LDG - 1) / VEC_COLS_PER_LDG;
 constexpr int ELTS_PER_THREAD = LDGS * ELTS_PER_LDG;
 // Whether every thread's every LDG lands inside the row (no column predicate).
-constexpr bool FULL_TILES = VEC_COLS % VEC_COLS_PER_LDG == 0;
+constexpr bool FULL_TILES = ALIGNED_ROWS && VEC_COLS % VEC_COLS_PER_LDG == 0;
 
 static_assert(sizeof(compute_t) == 4, "compute_t must be fp32");
 static_assert(WARPS_M >= 1 && WARPS_N >= 1, "WARPS_M and WARPS_N must be >= 1");
@@ -40,15 +54,15 @@ static_assert(THREADS_PER_CTA <= 1024, "at most 1024 threads per CTA");
 static_assert(BYTES_PER_LDG == 2 || BYTES_PER_LDG == 4 || BYTES_PER_LDG == 8 || BYTES_PER_LDG == 16,
               "BYTES_PER_LDG must be 2, 4, 8 or 16");
 static_assert(BYTES_PER_LDG % sizeof(input_t) == 0, "BYTES_PER_LDG must hold whole input elements");
-static_assert(COLS % ELTS_PER_LDG == 0, "hidden size must be a multiple of the elements per load");
+static_assert(!ALIGNED_ROWS || COLS % ELTS_PER_LDG == 0, "aligned rows must be whole vectors long");
 static_assert(CTAS_PER_ROW == 1 || CTAS_PER_ROW == 2 || CTAS_PER_ROW == 4 || CTAS_PER_ROW == 8,
               "CTAS_PER_ROW must be 1, 2, 4 or 8 (a portable cluster)");
 static_assert(CTAS_PER_ROW == 1 || WARPS_M == 1, "several CTAs per row need WARPS_M == 1");
 static_assert(STAGES >= 1 && STAGES <= 8, "STAGES must be 1..8");
-static_assert(STAGES == 1 || (BYTES_PER_LDG >= 4 && ELTS_PER_LDG * sizeof(output_t) >= 4),
-              "staged rows need vectors of x and y/dy of >= 4 bytes (cp.async moves 4-16 bytes)");
 static_assert(MIN_CTAS_PER_SM >= 1 && MIN_CTAS_PER_SM * THREADS_PER_CTA <= 2048,
               "MIN_CTAS_PER_SM must be >= 1 and fit 2048 threads per SM");
+static_assert(!RMS || !HAS_BIAS, "RMSNorm has no bias");
+static_assert(!ZERO_CENTERED || HAS_WEIGHT, "a zero-centered weight needs a weight");
 
 #if CN_CTAS_PER_ROW > 1
 #define CN_CLUSTER_DIMS __cluster_dims__(CN_CTAS_PER_ROW, 1, 1)
@@ -56,15 +70,19 @@ static_assert(MIN_CTAS_PER_SM >= 1 && MIN_CTAS_PER_SM * THREADS_PER_CTA <= 2048,
 #define CN_CLUSTER_DIMS
 #endif
 
-// Where this thread sits: which row of the CTA, which column vector it starts at.
+// Where this thread sits: which row of the CTA, which column vector it starts
+// at, and the shift of its rows. The host sizes the grid so that every row a
+// thread walks has the same shift (see cunorm.layout), so the shift, the weight
+// columns and the column sums of a thread stay put.
 struct Coords {
   int lane, warp_m, warp_n;
   int cta_rank;            // rank of this CTA among the CTAS_PER_ROW sharing a row
   long long group;         // index of this CTA's row group (ROWS_PER_CTA rows)
   long long groups;        // row groups in the grid
   int col;                 // first vector column of this thread
+  int shift;               // elements from this thread's row starts back to a vector boundary
 
-  __device__ __forceinline__ Coords() {
+  __device__ __forceinline__ Coords(const void* x, long long ldx) {
     const int warp = threadIdx.x / THREADS_PER_WARP;
     lane = threadIdx.x % THREADS_PER_WARP;
     warp_m = warp / WARPS_N;
@@ -73,23 +91,86 @@ struct Coords {
     group = blockIdx.x / CTAS_PER_ROW;
     groups = gridDim.x / CTAS_PER_ROW;
     col = cta_rank * THREADS_PER_ROW + warp_n * THREADS_PER_WARP + lane;
+    shift = shift_of(x, ldx, group * ROWS_PER_CTA + warp_m);
   }
-  // Vector column of LDG step `it`, and whether it lies in the row.
+  // The shift of `row` of a row tensor at `x` with row stride `ldx` (elements).
+  static __device__ __forceinline__ int shift_of(const void* x, long long ldx, long long row) {
+    if constexpr (ALIGNED_ROWS) return 0;
+    const long long first = static_cast<long long>(reinterpret_cast<unsigned long long>(x) / sizeof(input_t));
+    return static_cast<int>((first + row * ldx) % ELTS_PER_LDG);
+  }
+  // Vector column of LDG step `it`, and whether it holds any element of the row.
   __device__ __forceinline__ int vec(int it) const { return col + it * VEC_COLS_PER_LDG; }
-  __device__ __forceinline__ bool in_row(int it) const { return FULL_TILES || vec(it) < VEC_COLS; }
+  __device__ __forceinline__ bool in_row(int it) const {
+    if constexpr (ALIGNED_ROWS) return FULL_TILES || vec(it) < VEC_COLS;
+    return vec(it) * ELTS_PER_LDG < shift + COLS;
+  }
+  // Whether every element of LDG step `it` lies in the row.
+  __device__ __forceinline__ bool full(int it) const {
+    if constexpr (ALIGNED_ROWS) return in_row(it);
+    const int first = vec(it) * ELTS_PER_LDG;
+    return first >= shift && first + ELTS_PER_LDG <= shift + COLS;
+  }
+  // The row column of element e of LDG step `it`, and whether it is in the row.
+  __device__ __forceinline__ int column(int it, int e) const { return vec(it) * ELTS_PER_LDG + e - shift; }
+  __device__ __forceinline__ bool valid(int it, int e) const {
+    if constexpr (ALIGNED_ROWS) return in_row(it);
+    return static_cast<unsigned>(column(it, e)) < static_cast<unsigned>(COLS);
+  }
+  // Where vector 0 of `row` starts: the row start moved back by the shift.
+  template <typename T>
+  __device__ __forceinline__ T* frame(T* base, long long row, long long ld) const {
+    return base + row * ld - shift;
+  }
   // Whether this thread writes per-row values (mean, rstd): one per row.
   __device__ __forceinline__ bool row_leader() const { return lane == 0 && warp_n == 0 && cta_rank == 0; }
 };
 
-// Loads this thread's vectors of `row` (zeros past the last row or the row's end).
+// Zeros the elements of LDG step `it` that lie before the row (only vector 0
+// of a shifted row has any): they were read along with the row's first chunk.
+template <typename V>
+__device__ __forceinline__ void mask_head(V& v, int it, const Coords& at) {
+  if constexpr (!ALIGNED_ROWS) {
+    if (it == 0 && at.col == 0 && at.shift) {
+#pragma unroll
+      for (int e = 0; e < V::ELTS; ++e)
+        if (e < at.shift) v.set_raw_zero(e);
+    }
+  }
+}
+
+// Loads this thread's vectors of `row` (zeros past the last row or outside the
+// row): whole vectors where they lie in the row, element by element at its ends.
 template <typename T>
 __device__ __forceinline__ void load_row(Vec<T, ELTS_PER_LDG> (&v)[LDGS], const T* base, long long row,
                                          long long ld, long long rows, const Coords& at) {
   const bool row_ok = row < rows;
+  const T* f = at.frame(base, row, ld);
 #pragma unroll
   for (int it = 0; it < LDGS; ++it) {
-    if (row_ok && at.in_row(it)) v[it].load(base + row * ld, at.vec(it));
-    else v[it].zero();
+    if (row_ok && at.full(it)) {
+      v[it].load(f, at.vec(it));
+    } else {
+      v[it].zero();
+      if (row_ok && at.in_row(it)) {
+#pragma unroll
+        for (int e = 0; e < ELTS_PER_LDG; ++e)
+          if (at.valid(it, e)) v[it].set_raw(e, f[static_cast<long long>(at.vec(it)) * ELTS_PER_LDG + e]);
+      }
+    }
+  }
+}
+
+// Stores this thread's vectors of `row`: whole vectors inside the row, single
+// elements at its ends (never a byte outside the row).
+template <typename T>
+__device__ __forceinline__ void store_vec(const Vec<T, ELTS_PER_LDG>& v, T* f, int it, const Coords& at) {
+  if (at.full(it)) {
+    v.store(f, at.vec(it));
+  } else if (at.in_row(it)) {
+#pragma unroll
+    for (int e = 0; e < ELTS_PER_LDG; ++e)
+      if (at.valid(it, e)) f[static_cast<long long>(at.vec(it)) * ELTS_PER_LDG + e] = v.raw_elt(e);
   }
 }
 
@@ -100,33 +181,56 @@ __device__ __forceinline__ void load_row(Vec<T, ELTS_PER_LDG> (&v)[LDGS], const 
 constexpr int STAGE_SLOTS = WARPS_M * LDGS * THREADS_PER_ROW;
 constexpr int PIPE_SLOTS = STAGES > 1 ? STAGES * STAGE_SLOTS : 0;
 
-// The rows of one input (x or dy) a thread will read, STAGES - 1 rows ahead.
-// Each thread copies exactly the vectors it later reads itself, so stages
-// need no barrier: a thread waits only for its own copies. With STAGES == 1
-// rows are loaded straight into registers when read.
-template <typename T>
+// The rows of one row tensor a thread will read, STAGES - 1 rows ahead (none
+// when not ACTIVE: an absent residual). Each thread copies exactly the vectors
+// it later reads itself, so stages need no barrier: a thread waits only for
+// its own copies. With STAGES == 1 rows are loaded straight into registers
+// when read. A shifted row's first chunk is copied whole (the bytes before the
+// row lie in the same allocation, which is aligned; they are masked after
+// reading) and its last chunks up to the row's end (cp.async fills the rest
+// with zeros).
+template <typename T, bool ACTIVE = true>
 struct RowPipe {
   using V = Vec<T, ELTS_PER_LDG>;
   const T* base;
   long long ld, rows;
   V* slots;  // this thread's slot of stage 0, LDG step 0
 
-  __device__ __forceinline__ RowPipe(V* smem, const T* base_, long long ld_, long long rows_, const Coords& at)
+  __device__ __forceinline__ RowPipe(unsigned char* smem, const T* base_, long long ld_, long long rows_,
+                                     const Coords& at)
       : base(base_), ld(ld_), rows(rows_),
-        slots(smem + at.warp_m * LDGS * THREADS_PER_ROW + at.warp_n * THREADS_PER_WARP + at.lane) {}
+        slots(reinterpret_cast<V*>(smem) + at.warp_m * LDGS * THREADS_PER_ROW + at.warp_n * THREADS_PER_WARP +
+              at.lane) {}
 
-  // Starts copying `row` into `stage` (zeros past the last row or the row's end).
+  static constexpr int BYTES = ACTIVE ? PIPE_SLOTS * int(sizeof(V)) : 0;  // its shared memory
+
+  // Starts copying `row` into `stage`.
   __device__ __forceinline__ void fetch(int stage, long long row, const Coords& at) {
-    if constexpr (STAGES > 1) {
+    if constexpr (STAGES > 1 && ACTIVE) {
+      static_assert(V::CHUNK_BYTES >= 4, "cp.async moves 4-16 bytes: staged vectors need >= 4 bytes");
+      constexpr int CHUNK_ELTS = V::CHUNK_BYTES / int(sizeof(T));
       const bool row_ok = row < rows;
+      const T* f = at.frame(base, row, ld);
 #pragma unroll
       for (int it = 0; it < LDGS; ++it) {
-        const bool ok = row_ok && at.in_row(it);
         V* dst = slots + stage * STAGE_SLOTS + it * THREADS_PER_ROW;
-        const T* src = ok ? base + row * ld + static_cast<long long>(at.vec(it)) * ELTS_PER_LDG : base;
+        const int first = at.vec(it) * ELTS_PER_LDG;
 #pragma unroll
-        for (int c = 0; c < V::CHUNKS; ++c)
-          cp_async_zfill<V::CHUNK_BYTES>(&dst->raw[c], reinterpret_cast<const typename V::chunk_t*>(src) + c, ok);
+        for (int c = 0; c < V::CHUNKS; ++c) {
+          int n = 0;  // bytes of this chunk to copy
+          if (row_ok && at.in_row(it)) {
+            if constexpr (ALIGNED_ROWS) {
+              n = V::CHUNK_BYTES;
+            } else {
+              const int chunk_first = first + c * CHUNK_ELTS;
+              const int end = at.shift + COLS - chunk_first;  // row elements from the chunk's start on
+              n = chunk_first + CHUNK_ELTS <= at.shift || end <= 0
+                      ? 0 : (end >= CHUNK_ELTS ? CHUNK_ELTS : end) * int(sizeof(T));
+            }
+          }
+          const T* src = n ? f + first + c * CHUNK_ELTS : base;
+          cp_async_zfill<V::CHUNK_BYTES>(&dst->raw[c], src, n);
+        }
       }
     }
   }
@@ -134,7 +238,10 @@ struct RowPipe {
   __device__ __forceinline__ void read(int stage, long long row, V (&v)[LDGS], const Coords& at) const {
     if constexpr (STAGES > 1) {
 #pragma unroll
-      for (int it = 0; it < LDGS; ++it) v[it] = slots[stage * STAGE_SLOTS + it * THREADS_PER_ROW];
+      for (int it = 0; it < LDGS; ++it) {
+        v[it] = slots[stage * STAGE_SLOTS + it * THREADS_PER_ROW];
+        mask_head(v[it], it, at);
+      }
     } else {
       load_row(v, base, row, ld, rows, at);
     }
@@ -169,32 +276,56 @@ __device__ __forceinline__ void for_each_row(long long rows, const Coords& at, B
   if constexpr (STAGES > 1) cp_async_wait<0>();
 }
 
-// gamma (or beta) at this thread's columns: held in registers for the whole
-// kernel (CACHE_WEIGHTS), or re-read where used (L1/L2 hits: every row reads
-// the same vector), which frees registers for wide rows. Columns past the row,
-// and absent weights, read as zeros: a padding lane must never hold garbage,
-// since 0 * NaN is NaN.
+// gamma (or beta) at this thread's element positions. Columns outside the row
+// and absent weights read as zeros: a padding lane must never hold garbage,
+// since 0 * NaN is NaN. The aligned kernel loads whole vectors (the host hands
+// it contiguous, aligned weights); the general one element by element, with
+// the weight's stride (0 broadcasts), once per thread. CACHE_WEIGHTS holds
+// them in registers; otherwise the general kernel keeps them in this thread's
+// shared-memory slots and the aligned one re-reads them where used (L1/L2
+// hits: every row reads the same vector), which frees registers.
 template <typename T, bool PRESENT>
 struct RowWeights {
   using V = Vec<T, ELTS_PER_LDG>;
+  static constexpr bool HELD = CACHE_WEIGHTS && PRESENT;
+  static constexpr bool IN_SMEM = !CACHE_WEIGHTS && PRESENT && !ALIGNED_ROWS;
+  static constexpr int BYTES = IN_SMEM ? STAGE_SLOTS * int(sizeof(V)) : 0;  // its shared memory
   const T* ptr;
-  V held[CACHE_WEIGHTS && PRESENT ? LDGS : 1];
+  long long stride;
+  V held[HELD ? LDGS : 1];
+  V* slots;    // IN_SMEM: [WARPS_M][LDGS][THREADS_PER_ROW], this thread's first
 
-  __device__ __forceinline__ RowWeights(const T* p, const Coords& at) : ptr(p) {
-    if constexpr (CACHE_WEIGHTS && PRESENT) {
+  __device__ __forceinline__ RowWeights(const T* p, long long stride_, unsigned char* smem, const Coords& at)
+      : ptr(p), stride(stride_),
+        slots(reinterpret_cast<V*>(smem) + at.warp_m * LDGS * THREADS_PER_ROW + at.warp_n * THREADS_PER_WARP +
+              at.lane) {
+    if constexpr (HELD) {
 #pragma unroll
       for (int it = 0; it < LDGS; ++it) held[it] = fetch(it, at);
+    }
+    if constexpr (IN_SMEM) {
+#pragma unroll
+      for (int it = 0; it < LDGS; ++it) slots[it * THREADS_PER_ROW] = fetch(it, at);
     }
   }
   __device__ __forceinline__ V fetch(int it, const Coords& at) const {
     V v;
-    if (PRESENT && at.in_row(it)) v.load(ptr, at.vec(it));
-    else v.zero();
+    v.zero();
+    if (PRESENT && at.in_row(it)) {
+      if constexpr (ALIGNED_ROWS) {
+        v.load(ptr, at.vec(it));
+      } else {
+#pragma unroll
+        for (int e = 0; e < ELTS_PER_LDG; ++e)
+          if (at.valid(it, e)) v.set_raw(e, ptr[at.column(it, e) * stride]);
+      }
+    }
     return v;
   }
-  // The vector of LDG step `it` (`it` must be a compile-time constant when cached).
+  // The vector of LDG step `it` (`it` must be a compile-time constant when held).
   __device__ __forceinline__ V operator()(int it, const Coords& at) const {
-    if constexpr (CACHE_WEIGHTS && PRESENT) return held[it];
+    if constexpr (HELD) return held[it];
+    else if constexpr (IN_SMEM) return slots[it * THREADS_PER_ROW];
     else return fetch(it, at);
   }
 };
@@ -258,6 +389,9 @@ struct RowReducer {
 __device__ __forceinline__ void finish_cluster() {
   if constexpr (CTAS_PER_ROW > 1) cluster_sync();
 }
+
+// The multiplier of xhat: gamma, or 1 + gamma for a zero-centered weight.
+__device__ __forceinline__ float scale_of(float gamma) { return ZERO_CENTERED ? 1.f + gamma : gamma; }
 
 // Python's derivation of the same traits (cunorm/traits.py) must agree.
 static_assert(LDGS == ${LDGS}, "cunorm.Traits.ldgs disagrees with the kernel");

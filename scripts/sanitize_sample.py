@@ -11,16 +11,25 @@ cupy.cuda.set_allocator(None)
 
 from cunorm import check  # noqa: E402
 
-CASES = [check.Case(op, n, rows, dt, wdt)
-         for op in ("layer_norm", "layer_norm_backward")
-         for n, rows, dt, wdt in [(768, 37, "bfloat16", "bfloat16"), (1000, 5, "float16", "float32"),
-                                  (4096, 3, "float32", "float32"), (12800, 3, "bfloat16", "float32"),
-                                  (65536, 2, "bfloat16", "bfloat16"), (40, 9, "float32", "float32")]]
+C = check.Case
+CASES = [C(op, n, rows, dt, wdt, has_bias=not op.startswith("rms"), **kw)
+         for op in check.NORM_OPS
+         for n, rows, dt, wdt, kw in [
+             (768, 37, "bfloat16", "bfloat16", {}), (1000, 5, "float16", "float32", {}),
+             (4096, 3, "float32", "float32", {}), (12800, 3, "bfloat16", "float32", {}),
+             (65536, 2, "bfloat16", "bfloat16", {}), (40, 9, "float32", "float32", {}),
+             # the general kernel: odd sizes (masked tails, clusters), offset views, odd row strides, in place
+             (7, 9, "bfloat16", "bfloat16", {}), (4097, 5, "bfloat16", "float32", {"residual_dtype": "float32"}),
+             (65537, 2, "bfloat16", "bfloat16", {"zero_centered": True}),
+             (1000, 5, "bfloat16", "bfloat16", {"layout": "offset:3", "residual_dtype": "bfloat16"}),
+             (1000, 5, "float16", "float16", {"layout": "stride:+13", "weight_layout": "broadcast"}),
+             (33, 7, "float32", "bfloat16", {"layout": "offset:1", "weight_layout": "strided"}),
+             (4097, 4, "bfloat16", "bfloat16", {"in_place": True})]]
 
 bad = 0
 for case in CASES:
     for r in check.run_case(case):
-        print(f"{r.case.label():<70} {r.output:<8} {r.error:.2e} {'PASS' if r.ok else 'FAIL'}", flush=True)
+        print(f"{r.case.label():<100} {r.output:<12} {r.error:.2e} {'PASS' if r.ok else 'FAIL'}", flush=True)
         bad += not r.ok
 print(f"{sum(1 for _ in CASES)} cases, {bad} failed outputs")
 sys.exit(1 if bad else 0)

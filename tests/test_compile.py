@@ -14,7 +14,7 @@ def _entries(arch):
             for dt in dtypes.NAMES:
                 for wdt in dict.fromkeys((dt, "float32")):
                     try:
-                        yield dispatch.choose(n, dt, wdt, dt, backward=backward, arch=arch)[0]
+                        yield dispatch.choose(hidden_size=n, input_dtype=dt, weight_dtype=wdt, output_dtype=dt, backward=backward, arch=arch)[0]
                     except ValueError:
                         # Rows too wide for one CTA without clusters are refused on sm_80 (wide N only).
                         assert arch < 90 and n > 8192

@@ -11,6 +11,15 @@ DTYPES = dtypes.NAMES
 SIZES_QUICK = (768, 1024, 4096, 5120, 8192, 12288, 16384, 32768, 65536, 8, 40, 1000, 7168)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _compiled():
+    """Compile every kernel of the tuned sweep in parallel first (cached per process)."""
+    from conftest import gpu_available
+
+    if gpu_available() is None:
+        check.precompile(check.default_cases(sweeps=("tuned",), ops=check.NORM_OPS, rows=(37,)))
+
+
 def _assert_ok(results):
     bad = [f"{r.case.label()} {r.output}: {r.error:.3e} > {r.tolerance:.0e}" for r in results if not r.ok]
     assert not bad, "\n".join(bad)
@@ -18,11 +27,11 @@ def _assert_ok(results):
 
 @pytest.mark.parametrize("n", dispatch.TUNED_SIZES + check.HEURISTIC_SAMPLE)
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("op", ["layer_norm", "layer_norm_backward"])
+@pytest.mark.parametrize("op", check.NORM_OPS)
 def test_against_reference(op, n, dtype, rng):
     for wdt in dict.fromkeys((dtype, "float32")):
         for rows in (1, 37, 300):
-            _assert_ok(check.run_case(check.Case(op, n, rows, dtype, wdt), rng))
+            _assert_ok(check.run_case(check.Case(op, n, rows, dtype, wdt, has_bias=not op.startswith("rms")), rng))
 
 
 @pytest.mark.parametrize("has_weight,has_bias", [(False, False), (True, False), (False, True)])
@@ -55,7 +64,7 @@ def test_backward_bitwise_deterministic(n, dtype, rng):
     import cupy
 
     case = check.Case("layer_norm_backward", n, 4096, dtype, dtype)
-    x, w, _ = check._inputs(case, rng)
+    x, w, _, _ = check._inputs(case, rng)
     dy = cupy.asarray(rng.standard_normal(x.shape).astype(x.dtype))
     _, mean, rstd = cunorm.layer_norm(x, w, None, return_stats=True)
     runs = [cunorm.layer_norm_backward(dy, x, mean, rstd, w) for _ in range(3)]
@@ -84,21 +93,6 @@ def test_rows_far_from_zero_mean(dtype, rng):
         want = cunorm.reference.layer_norm_backward(dy, x, mean, rstd, w)
         for g, r in zip(got, want):
             assert check.rel_l2(g, r) < check.TOLERANCE[dtype]
-
-
-def test_large_row_count(rng):
-    """M*N well past 2^31 elements' worth of bytes: 64-bit row offsets."""
-    import cupy
-
-    n, m = 8192, (2**31 // 8192) + 37  # 2^31 + 37*8192 elements
-    x = cupy.empty((m, n), dtype=dtypes.BFLOAT16)
-    x[...] = cupy.random.standard_normal((1, n), dtype=np.float32).astype(dtypes.BFLOAT16) + 1
-    x[-1] = cupy.asarray(rng.standard_normal(n).astype(dtypes.BFLOAT16))
-    y = cunorm.layer_norm(x)
-    tail = y[-2:]
-    ref, _, _ = cunorm.reference.layer_norm(x[-2:])
-    assert check.rel_l2(tail, ref) < 8e-3
-    del x, y
 
 
 def test_zero_rows_give_empty_outputs():
@@ -155,7 +149,7 @@ def test_many_rows_per_cta(knobs, rng):
     import cupy
 
     case = check.Case("layer_norm", 1024, 50000, "bfloat16", "float32")
-    x, w, b = check._inputs(case, rng)
+    x, w, b, _ = check._inputs(case, rng)
     y, mean, rstd = cunorm.layer_norm(x, w, b, return_stats=True, traits=knobs)
     y_ref, mean_ref, rstd_ref = cunorm.reference.layer_norm(x, w, b)
     assert check.rel_l2(y, y_ref) < 8e-3 and check.rel_l2(rstd, rstd_ref) < 1e-5
@@ -198,7 +192,7 @@ def test_backward_knobs(knobs, rng):
 
     for n, m in ((4096, 777), (1000, 50)):
         case = check.Case("layer_norm_backward", n, m, "bfloat16", "float32")
-        x, w, _ = check._inputs(case, rng)
+        x, w, _, _ = check._inputs(case, rng)
         dy = cupy.asarray(rng.standard_normal(x.shape).astype(x.dtype))
         _, mean, rstd = cunorm.reference.layer_norm(x, w)
         mean, rstd = mean.astype(np.float32), rstd.astype(np.float32)
@@ -207,34 +201,3 @@ def test_backward_knobs(knobs, rng):
         want = cunorm.reference.layer_norm_backward(dy, x, mean, rstd, w)
         for g, r, tol in zip(got, want, (8e-3, 1e-5, 1e-5)):
             assert check.rel_l2(g, r) < tol, (knobs, n)
-
-
-def test_gpu_bad_inputs():
-    import cupy
-
-    x = cupy.ones((4, 1024), dtype=np.float32)
-    with pytest.raises(ValueError, match="x: must be C-contiguous"):
-        cunorm.layer_norm(cupy.ones((1024, 8), dtype=np.float32).T)
-    with pytest.raises(ValueError, match="multiple of 8"):
-        cunorm.layer_norm(cupy.ones((4, 1001), dtype=np.float32))
-    with pytest.raises(TypeError, match="weight: is a numpy array"):
-        cunorm.layer_norm(x, np.ones(1024, np.float32))
-    with pytest.raises(ValueError, match="weight: shape"):
-        cunorm.layer_norm(x, cupy.ones(1000, np.float32))
-    with pytest.raises(TypeError, match="weight: dtype float16"):
-        cunorm.layer_norm(x, cupy.ones(1024, np.float16))
-    with pytest.raises(TypeError, match="x: dtype float64"):
-        cunorm.layer_norm(x.astype(np.float64))
-    with pytest.raises(ValueError, match="dy: shape"):
-        cunorm.layer_norm_backward(x[:2], x, cupy.ones(4, np.float32), cupy.ones(4, np.float32))
-    with pytest.raises(ValueError, match="mean: shape"):
-        cunorm.layer_norm_backward(x, x, cupy.ones(3, np.float32), cupy.ones(4, np.float32))
-    with pytest.raises(TypeError, match="rstd: dtype"):
-        cunorm.layer_norm_backward(x, x, cupy.ones(4, np.float32), cupy.ones(4, np.float16))
-    with pytest.raises(ValueError, match="x: data pointer"):
-        cunorm.layer_norm(cupy.ones(4 * 1024 + 1, np.float32)[1:].reshape(4, 1024))
-    if cupy.cuda.runtime.getDeviceCount() > 1:
-        with cupy.cuda.Device(1):
-            w1 = cupy.ones(1024, np.float32)
-        with pytest.raises(ValueError, match="weight: is on GPU 1"):
-            cunorm.layer_norm(x, w1)

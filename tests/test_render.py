@@ -20,12 +20,12 @@ def test_rendered_source_is_complete():
 
 def test_backward_renders_its_kernels():
     src = render(Traits(hidden_size=1024, backward=True, warps_n=2))
-    assert "layer_norm_bwd(" in src and "layer_norm_bwd_finalize(" in src
+    assert "norm_bwd(" in src and "norm_bwd_finalize(" in src
 
 
 def test_every_placeholder_is_a_trait():
     t = Traits(hidden_size=1024)
-    for name in ("layer_norm_fwd.cu", "layer_norm_bwd.cu"):
+    for name in ("norm_fwd.cu", "norm_bwd.cu"):
         text = inline(name)
         names = {m.group("named") or m.group("braced") for m in string.Template.pattern.finditer(text)
                  if m.group("named") or m.group("braced")}
@@ -34,7 +34,7 @@ def test_every_placeholder_is_a_trait():
 
 def test_missing_trait_is_an_error():
     class Partial:
-        source_file = "layer_norm_fwd.cu"
+        source_file = "norm_fwd.cu"
 
         def template_values(self):
             return {"INPUT_T": "float"}
@@ -48,7 +48,7 @@ def test_missing_trait_is_an_error():
 
 def test_kernel_dir_holds_the_sources():
     assert {p.name for p in kernel_dir().glob("*.cu*")} >= {"cunorm_common.cuh", "norm_traits.cuh",
-                                                          "layer_norm_fwd.cu", "layer_norm_bwd.cu"}
+                                                          "norm_fwd.cu", "norm_bwd.cu"}
 
 
 @pytest.mark.nvrtc

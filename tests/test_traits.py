@@ -62,7 +62,7 @@ def test_traits_are_hashable_and_frozen():
 def test_every_tuned_size_dispatches_to_legal_traits(dtype, backward):
     for n in dispatch.TUNED_SIZES:
         for wdt in {dtype, "float32"}:
-            t, source = dispatch.choose(n, dtype, wdt, dtype, backward=backward)
+            t, source = dispatch.choose(hidden_size=n, input_dtype=dtype, weight_dtype=wdt, output_dtype=dtype, backward=backward)
             assert t.hidden_size == n and t.input_dtype == dtype and t.weight_dtype == wdt
             tuned = dispatch.tuned_knobs(backward, n, dtype) is not None
             if tuned and wdt == dtype:  # the measured case must use its entry, not fall back silently
@@ -110,7 +110,7 @@ def test_pre_ampere_gpus_are_refused_clearly():
     with pytest.raises(ValueError, match="sm_80 or newer"):
         Traits(hidden_size=1024, input_dtype="bfloat16", warps_n=2).check_arch(75)
     with pytest.raises(ValueError, match="sm_80 or newer"):
-        dispatch.choose(1024, "bfloat16", "bfloat16", "bfloat16", arch=75)
+        dispatch.choose(hidden_size=1024, input_dtype="bfloat16", weight_dtype="bfloat16", output_dtype="bfloat16", arch=75)
 
 
 def test_heuristic_without_clusters_uses_one_cta_per_row():

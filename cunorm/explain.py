@@ -1,0 +1,98 @@
+"""`cunorm.explain`: which kernel a call would run, with which traits, and why."""
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+from . import dispatch, dtypes, layout, norm, plan
+from .compiler import device_arch
+from .traits import Traits
+
+OPS = {"layer_norm": (norm.layer_norm, False, False), "rms_norm": (norm.rms_norm, True, False),
+       "layer_norm_backward": (norm.layer_norm_backward, False, True),
+       "rms_norm_backward": (norm.rms_norm_backward, True, True)}
+
+
+@dataclass(frozen=True)
+class Explanation:
+    """What `op(*args, **kwargs)` would run. path: "fast" (aligned rows, the
+    widest vectors), "general" (shifted or masked rows) or "reference" (numpy
+    inputs, float64 on the CPU); source: "tuned", "heuristic" or "caller"."""
+
+    op: str
+    path: str
+    traits: Traits | None
+    source: str
+    reasons: tuple
+
+    def __str__(self) -> str:
+        lines = [f"{self.op}: {self.path} path"]
+        if self.traits is not None:
+            lines.append(f"  traits ({self.source}): {self.traits.short()}")
+        lines += [f"  - {r}" for r in self.reasons]
+        return "\n".join(lines)
+
+    __repr__ = __str__
+
+
+def _layout_reasons(p, t: Traits) -> list:
+    x_dtype = t.input_dtype
+    isz = dtypes.itemsize(x_dtype)
+    widest = 16 // isz
+    rows = p.row_list()
+    reasons = [f"{r.name}: {r.copied}" for r in rows if r.copied]
+    max_vector = p.base["max_vector"]
+    if max_vector < widest:
+        why = [r for r in layout.why_not_aligned(rows, p.n, widest) if "different offsets" in r]
+        reasons.append(f"narrower loads ({max_vector * isz} bytes): " + "; ".join(why))
+    e = t.elts_per_ldg
+    if t.aligned_rows:
+        reasons.append(f"fast path: every row starts on a {e * isz}-byte boundary and is whole {e}-element vectors "
+                       f"long")
+    else:
+        why = layout.why_not_aligned(rows, p.n, max_vector) or [f"the chosen {e}-element vectors do not fit the rows"]
+        reasons.append("general kernel: " + "; ".join(why))
+    return reasons
+
+
+def explain(op, *args, **kwargs) -> Explanation:
+    """Explains a call: `cunorm.explain(cunorm.layer_norm, x, w, b)` (or the
+    op's name) takes the op's own arguments, validates them as the op would
+    (raising the same errors) and returns an Explanation; nothing is launched
+    or compiled."""
+    name = op if isinstance(op, str) else getattr(op, "__name__", "")
+    if name not in OPS:
+        raise ValueError(f"op: expected one of {', '.join(OPS)} (or the function), got {op!r}")
+    fn, rms, backward = OPS[name]
+    bound = inspect.signature(fn).bind(*args, **kwargs)
+    bound.apply_defaults()
+    a = dict(bound.arguments)
+    traits = a.pop("traits")
+    if backward:
+        call_args, on_gpu, base = norm._backward_args(rms, a["dy"], a["x"], a.get("mean"), a["rstd"], a["weight"],
+                                                      a.get("has_bias", False), a.get("bias_dtype"),
+                                                      a["dresidual"], a["zero_centered_weight"], a["out"])
+    else:
+        call_args, on_gpu, base, _ = norm._forward_args(rms, a["x"], a["weight"], a.get("bias"), a["eps"],
+                                                        a["residual"], a["residual_dtype"],
+                                                        a["zero_centered_weight"], a["out_dtype"], a["out"])
+    if not on_gpu:
+        return Explanation(name, "reference", None, "", ("numpy inputs run the float64 reference on the CPU",))
+
+    import cupy
+
+    dev = call_args["x"].array.device.id
+    with cupy.cuda.Device(dev):
+        p = (norm._backward_prepare if backward else norm._forward_prepare)(call_args, base)
+    arch = device_arch(dev)
+    if traits is None:
+        t, source = dispatch.choose(arch=arch, **p.base)
+    else:
+        t, source = plan.resolve_traits(norm._Family, traits, p.base, arch), "caller"
+    reasons = _layout_reasons(p, t)
+    if source == "tuned":
+        reasons.append(f"dispatch: the tuned entry for N={t.hidden_size - t.hidden_size % (16 // dtypes.itemsize(t.input_dtype))} "
+                       f"(sm_{dispatch.TUNED_ARCH})")
+    elif source == "heuristic":
+        reasons.append("dispatch: the heuristic (no tuned entry applies: other GPU, size, residual or layout)")
+    return Explanation(name, "fast" if t.aligned_rows else "general", t, source, tuple(reasons))

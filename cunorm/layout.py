@@ -1,0 +1,185 @@
+"""How GPU arrays meet the normalization kernels' row model.
+
+A row tensor is a pointer and a row stride: the last axis has unit stride and
+the leading axes merge into one row axis. Such tensors are read and written
+in place (slices of wider rows, offset views, fused buffers); any other layout
+of an input is copied to a contiguous array first (documented), and an output
+(`out=`) in such a layout is refused.
+
+Vector width. The kernels read a row in vectors of E elements aligned to E in
+memory. Every row tensor of a call must sit at the same offset from a vector
+boundary on every row (same pointer and row stride modulo E), so E is the
+widest power of two (up to 16 bytes of x) for which that holds. When, moreover,
+every row starts on a boundary and N is a multiple of E, the fast kernel runs
+(aligned rows); otherwise the general one, which shifts each row into the
+aligned frame around it and masks its ends.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .arrays import Arg
+
+
+@dataclass(frozen=True)
+class Rows:
+    """A row tensor as the kernels see it."""
+
+    name: str
+    array: object  # the cupy array handed to the kernel (a contiguous copy if `copied`); None: not yet allocated
+    rows: int
+    ld: int  # elements from one row start to the next
+    offset: int  # the pointer in elements (its position modulo E decides the row shift)
+    copied: str = ""  # why a contiguous copy was made ("" when read in place)
+
+
+def fresh_rows(name: str, rows: int, n: int, itemsize: int) -> Rows:
+    """An output cunorm allocates: contiguous, at an aligned address (CuPy
+    allocations are 256-byte aligned)."""
+    return Rows(name, None, rows, n, 0)
+
+
+def check_elements(a: Arg):
+    arr = a.array
+    if arr.data.ptr % arr.itemsize or any(s % arr.itemsize for s in arr.strides):
+        raise ValueError(f"{a.name}: pointer or strides {arr.strides} are not whole {arr.dtype} elements (a view "
+                         f"reinterpreting another dtype?); the row stride must be a whole number of elements")
+    if any(s < 0 for s, n in zip(arr.strides, arr.shape) if n > 1):
+        raise ValueError(f"{a.name}: negative strides {arr.strides} are not supported; pass a copy "
+                         f"(e.g. cupy.ascontiguousarray)")
+
+
+def row_stride(shape: tuple, strides: tuple, n: int):
+    """The row stride (elements) of an array whose last axis (length n) has
+    unit stride and whose leading axes merge into one; None otherwise."""
+    if n > 1 and strides[-1] != 1:
+        return None
+    lead = [(size, st) for size, st in zip(shape[:-1], strides[:-1]) if size != 1]
+    if not lead:
+        return n  # one row: any stride will do
+    for (_, outer), (size, inner) in zip(lead, lead[1:]):
+        if outer != inner * size:
+            return None
+    return lead[-1][1]
+
+
+def rows_of(a: Arg, n: int, *, output: bool = False) -> Rows:
+    """The row view of a GPU array of shape (..., n): in place when its layout
+    allows, else (inputs only) a contiguous copy."""
+    check_elements(a)
+    arr = a.array
+    rows = math.prod(arr.shape[:-1])
+    ld = row_stride(arr.shape, tuple(s // arr.itemsize for s in arr.strides), n)
+    if output:
+        if ld is None:
+            raise ValueError(f"{a.name}: strides {arr.strides} are not a unit last-axis stride with one row stride; "
+                             f"the output must be written in place, so pass such an array")
+        if rows > 1 and ld < n:
+            raise ValueError(f"{a.name}: row stride {ld} is shorter than a row ({n}): rows would overlap")
+        return Rows(a.name, arr, rows, ld, arr.data.ptr // arr.itemsize)
+    if ld is None:
+        import cupy
+
+        why = (f"last-axis stride {arr.strides[-1] // arr.itemsize}" if n > 1 and arr.strides[-1] != arr.itemsize
+               else "leading axes that do not merge into one row stride")
+        copy = cupy.ascontiguousarray(arr)
+        return Rows(a.name, copy, rows, n, copy.data.ptr // copy.itemsize, f"copied to a contiguous array ({why})")
+    return Rows(a.name, arr, rows, ld, arr.data.ptr // arr.itemsize)
+
+
+def vector_widths(row_tensors: list, n: int, x_itemsize: int) -> tuple:
+    """(widest E every row tensor's shifts agree on, widest E with aligned
+    rows), both powers of two of at most 16 bytes of x. The first row tensor is x."""
+    x = row_tensors[0]
+
+    def congruent(e: int) -> bool:
+        return all((t.offset - x.offset) % e == 0 and (x.rows <= 1 or (t.ld - x.ld) % e == 0)
+                   for t in row_tensors)
+
+    def aligned(e: int) -> bool:
+        return n % e == 0 and x.offset % e == 0 and (x.rows <= 1 or x.ld % e == 0) and congruent(e)
+
+    widest = max(1, 16 // x_itemsize)
+    shifted = next(e for e in _powers_down(widest) if congruent(e))
+    return shifted, next(e for e in _powers_down(shifted) if aligned(e))
+
+
+def _powers_down(e: int):
+    while e >= 1:
+        yield e
+        e //= 2
+
+
+def why_not_aligned(row_tensors: list, n: int, e: int) -> list:
+    """Why rows are not aligned to E elements (for explain)."""
+    x = row_tensors[0]
+    reasons = []
+    if n % e:
+        reasons.append(f"hidden size {n} is not a multiple of {e} elements")
+    for t in row_tensors:
+        if t.offset % e:
+            reasons.append(f"{t.name} starts {t.offset % e} elements past a {e}-element boundary")
+        if t.rows > 1 and t.ld % e:
+            reasons.append(f"{t.name}'s row stride {t.ld} is not a multiple of {e} elements")
+        if t is not x and ((t.offset - x.offset) % e or (x.rows > 1 and (t.ld - x.ld) % e)):
+            reasons.append(f"{t.name} and {x.name} sit at different offsets from {e}-element boundaries")
+    return reasons
+
+
+def shift_period(ld: int, rows: int, e: int) -> int:
+    """Rows after which a row tensor's shift repeats: the grid's row stride must
+    be a multiple of it, so that each thread's rows share one shift."""
+    if rows <= 1:
+        return 1
+    return e // math.gcd(ld % e, e)
+
+
+def _extent(arr) -> tuple:
+    """[first byte, last byte + 1) of an array with non-negative strides."""
+    if arr.size == 0:
+        return (arr.data.ptr, arr.data.ptr)
+    last = sum((n - 1) * s for n, s in zip(arr.shape, arr.strides))
+    return arr.data.ptr, arr.data.ptr + last + arr.itemsize
+
+
+def rows_overlap(a: Rows, b: Rows, n: int) -> bool:
+    """Whether two row tensors share a byte: exact for equal row strides,
+    else whether their extents meet."""
+    a0, a1 = _extent(a.array)
+    b0, b1 = _extent(b.array)
+    if a1 <= b0 or b1 <= a0:
+        return False
+    la, lb = a.ld * a.array.itemsize, b.ld * b.array.itemsize
+    if a.rows <= 1 or b.rows <= 1 or la != lb or la <= 0:
+        return True
+    # Row i of a against row j of b: d + k * L in (-nb, na) for some k = i - j in [-(rows_b - 1), rows_a - 1].
+    d, na, nb = a.array.data.ptr - b.array.data.ptr, n * a.array.itemsize, n * b.array.itemsize
+    k = max(-(b.rows - 1), (-nb - d) // la + 1)
+    return k <= a.rows - 1 and d + k * la < na
+
+
+def check_outputs(outputs: list, inputs: list, n: int, in_place: dict):
+    """Outputs may not share memory with any input or each other, except an
+    output that is exactly an input of its own dtype named in `in_place`
+    ({output name: allowed input names}), which is read before it is written."""
+    for i, o in enumerate(outputs):
+        for t in inputs + outputs[:i]:
+            if t is None or t.array.size == 0 or o.array.size == 0:
+                continue
+            same = (t.array.data.ptr == o.array.data.ptr and t.ld == o.ld and t.array.dtype == o.array.dtype
+                    and t.rows == o.rows)
+            if same and t.name in in_place.get(o.name, ()):
+                continue
+            overlap = rows_overlap(o, t, n) if isinstance(t, Rows) else _extents_meet(o.array, t.array)
+            if overlap:
+                allowed = in_place.get(o.name, ())
+                hint = (f"; in place, {o.name} may be exactly {' or '.join(allowed)} (same view and dtype)"
+                        if allowed else "")
+                raise ValueError(f"{o.name}: shares memory with {t.name}{hint}")
+
+
+def _extents_meet(a, b) -> bool:
+    a0, a1 = _extent(a)
+    b0, b1 = _extent(b)
+    return not (a1 <= b0 or b1 <= a0)

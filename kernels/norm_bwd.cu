@@ -1,0 +1,273 @@
+// Row normalization backward: dx, and per-CTA fp32 partials of dgamma and
+// dbeta, in one pass over x and dy; norm_bwd_finalize then sums the partials.
+//
+// With xhat = (x - mean) * rstd (RMSNorm: x * rstd) and g = dy * gamma (or
+// dy * (1 + gamma) for a zero-centered weight):
+//   LayerNorm  dx = rstd * (g - mean(g) - xhat * mean(g * xhat))
+//   RMSNorm    dx = rstd * (g - xhat * mean(g * xhat))
+// plus dresidual when given (the skip path's gradient of the residual sum).
+//   dgamma = sum_rows(dy * xhat),  dbeta = sum_rows(dy)
+// The grid is persistent (one wave, rows staged as in norm_fwd.cu): each CTA
+// walks its rows, keeps its column sums (in registers, or in shared memory
+// with SMEM_ACCUMULATORS), and writes one partial row. Nothing is atomic, and
+// every sum runs in a fixed order, so the results are bitwise reproducible.
+#include "cunorm_common.cuh"
+#include "norm_traits.cuh"
+
+constexpr bool SMEM_ACCUMULATORS = ${SMEM_ACCUMULATORS};
+constexpr bool RECOMPUTE = ${RECOMPUTE};  // recompute xhat and g after the reduction instead of holding them
+using AccVec = Vec<float, ELTS_PER_LDG>;
+// Column-sum slots of a CTA in shared memory: [2 (dgamma, dbeta)][WARPS_M][LDGS][THREADS_PER_ROW]
+// vectors. Used by the accumulators themselves, or (in registers) to fold WARPS_M rows into one.
+constexpr int ACC_SLOTS = WARPS_M * LDGS * THREADS_PER_ROW;
+constexpr int ACC_BYTES = (SMEM_ACCUMULATORS || WARPS_M > 1) ? 2 * ACC_SLOTS * int(sizeof(AccVec)) : 0;
+// Dynamic shared memory: [column-sum slots][staged x][staged dy][staged dresidual][gamma slots].
+constexpr int SMEM_BYTES = ACC_BYTES + RowPipe<input_t>::BYTES + RowPipe<output_t>::BYTES +
+                           RowPipe<residual_t, HAS_RESIDUAL>::BYTES + RowWeights<weight_t, HAS_WEIGHT>::BYTES;
+static_assert(SMEM_BYTES == ${SMEM_BYTES}, "cunorm.Traits.smem_bytes disagrees with the kernel");
+constexpr int SUMS = RMS ? 1 : 2;  // row sums: [sum(g),] sum(g * xhat)
+
+// This thread's column sums for one quantity.
+template <bool IN_SMEM>
+struct ColumnSums {
+  AccVec reg[IN_SMEM ? 1 : LDGS];
+  AccVec* slots;  // this thread's first slot in shared memory (stride THREADS_PER_ROW)
+
+  __device__ __forceinline__ ColumnSums(AccVec* smem, const Coords& at)
+      : slots(smem + (at.warp_m * LDGS) * THREADS_PER_ROW + at.warp_n * THREADS_PER_WARP + at.lane) {
+#pragma unroll
+    for (int it = 0; it < LDGS; ++it) {
+      AccVec z;
+      z.zero();
+      put(it, z);
+    }
+  }
+  __device__ __forceinline__ AccVec get(int it) const {
+    if constexpr (IN_SMEM) return slots[it * THREADS_PER_ROW];
+    else return reg[it];
+  }
+  __device__ __forceinline__ void put(int it, const AccVec& v) {
+    if constexpr (IN_SMEM) slots[it * THREADS_PER_ROW] = v;
+    else reg[it] = v;
+  }
+  // Registers to their shared-memory slots (before a fold).
+  __device__ __forceinline__ void spill_to_slots() {
+    if constexpr (!IN_SMEM) {
+#pragma unroll
+      for (int it = 0; it < LDGS; ++it) slots[it * THREADS_PER_ROW] = reg[it];
+    }
+  }
+  // This thread's sums straight to the partial row (WARPS_M == 1, in registers).
+  __device__ __forceinline__ void store(float* part, const Coords& at) const {
+#pragma unroll
+    for (int it = 0; it < LDGS; ++it) {
+      if (!at.in_row(it)) continue;
+      if (ALIGNED_ROWS) {
+        get(it).store(part, at.vec(it));
+      } else {
+#pragma unroll
+        for (int e = 0; e < ELTS_PER_LDG; ++e)
+          if (at.valid(it, e)) part[at.column(it, e)] = get(it).get(e);
+      }
+    }
+  }
+};
+
+// Sums the WARPS_M rows of a quantity's slots, in warp order, into the partial
+// row. Aligned rows share one frame: whole vectors. Shifted rows put column j
+// of warp row m at element j + shift_m of the frame: element by element.
+__device__ __forceinline__ void fold_slots(const AccVec* slots, float* part, const Coords& at, const void* x,
+                                           long long ldx) {
+  if constexpr (ALIGNED_ROWS) {
+    for (int s = threadIdx.x; s < LDGS * THREADS_PER_ROW; s += THREADS_PER_CTA) {
+      const int it = s / THREADS_PER_ROW, tr = s % THREADS_PER_ROW;
+      const int vec = at.cta_rank * THREADS_PER_ROW + tr + it * VEC_COLS_PER_LDG;
+      if (vec >= VEC_COLS) continue;
+      AccVec sum = slots[s];
+#pragma unroll
+      for (int m = 1; m < WARPS_M; ++m) {
+        const AccVec v = slots[m * LDGS * THREADS_PER_ROW + s];
+#pragma unroll
+        for (int e = 0; e < ELTS_PER_LDG; ++e) sum.add(e, v.get(e));
+      }
+      sum.store(part, vec);
+    }
+  } else {
+    const float* elts = reinterpret_cast<const float*>(slots);
+    for (int j = threadIdx.x; j < COLS; j += THREADS_PER_CTA) {
+      float sum = 0.f;
+      bool mine = false;
+#pragma unroll
+      for (int m = 0; m < WARPS_M; ++m) {
+        const int u = j + Coords::shift_of(x, ldx, at.group * ROWS_PER_CTA + m);
+        const int vec = u / ELTS_PER_LDG, rem = vec % VEC_COLS_PER_LDG;
+        if (rem / THREADS_PER_ROW != at.cta_rank) continue;  // a cluster peer holds it (WARPS_M == 1 there)
+        mine = true;
+        const int slot = (m * LDGS + vec / VEC_COLS_PER_LDG) * THREADS_PER_ROW + rem % THREADS_PER_ROW;
+        sum += elts[slot * ELTS_PER_LDG + u % ELTS_PER_LDG];
+      }
+      if (mine) part[j] = sum;
+    }
+  }
+}
+
+// Row tensors (dy, x, dresidual, dx) may alias one another (in place) and so
+// are not __restrict__.
+extern "C" __global__ void __launch_bounds__(THREADS_PER_CTA, MIN_CTAS_PER_SM) CN_CLUSTER_DIMS
+norm_bwd(const output_t* dy, const input_t* x, const residual_t* dresidual,
+         const float* __restrict__ mean, const float* __restrict__ rstd, const weight_t* __restrict__ gamma,
+         input_t* dx, float* __restrict__ dgamma_part, float* __restrict__ dbeta_part,  // [groups, COLS]
+         long long rows, long long ldx, long long lddy, long long ldres, long long lddx, long long gamma_stride) {
+  using InVec = Vec<input_t, ELTS_PER_LDG>;
+  using GradVec = Vec<output_t, ELTS_PER_LDG>;
+  using ResVec = Vec<residual_t, ELTS_PER_LDG>;
+  CN_DYNAMIC_SMEM(smem);
+  AccVec* acc_smem = reinterpret_cast<AccVec*>(smem);
+  const Coords at(x, ldx);
+  CN_ROW_REDUCER(SUMS, reducer);
+
+  ColumnSums<SMEM_ACCUMULATORS> dgamma_acc(acc_smem, at), dbeta_acc(acc_smem + ACC_SLOTS, at);
+  // Rows past the end (and columns past the row) arrive as zeros: g = 0
+  // there, so they add nothing to the row sums or the column sums.
+  unsigned char* next = smem + ACC_BYTES;
+  RowPipe<input_t> xs(next, x, ldx, rows, at);
+  next += xs.BYTES;
+  RowPipe<output_t> dys(next, dy, lddy, rows, at);
+  next += dys.BYTES;
+  RowPipe<residual_t, HAS_RESIDUAL> drs(next, dresidual, ldres, rows, at);
+  next += drs.BYTES;
+  const RowWeights<weight_t, HAS_WEIGHT> w(gamma, gamma_stride, next, at);
+
+  constexpr float inv_cols = 1.f / float(COLS);
+  constexpr bool ZERO_XHAT = !RMS && COLS == 1;  // a row of one element normalizes to 0
+  for_each_row(rows, at, [&](long long row, bool row_ok, int stage) {
+    InVec xv[LDGS];
+    GradVec dyv[LDGS];
+    xs.read(stage, row, xv, at);
+    dys.read(stage, row, dyv, at);
+    const float rs = row_ok ? rstd[row] : 0.f;
+    const float mu = (RMS || !row_ok) ? 0.f : mean[row];  // xhat = (x - mu) * rs, exact even when |mu| >> std
+
+    float sums[SUMS] = {};
+#pragma unroll
+    for (int it = 0; it < LDGS; ++it) {
+      const auto wv = w(it, at);
+      AccVec dg = dgamma_acc.get(it), db = dbeta_acc.get(it);
+#pragma unroll
+      for (int e = 0; e < ELTS_PER_LDG; ++e) {
+        const float xhat = ZERO_XHAT ? 0.f : (xv[it].get(e) - mu) * rs;
+        const float d = dyv[it].get(e);
+        const float g = HAS_WEIGHT ? d * scale_of(wv.get(e)) : d;
+        if constexpr (!RMS) sums[0] += g;
+        sums[SUMS - 1] = fmaf(g, xhat, sums[SUMS - 1]);
+        dg.add(e, d * xhat);
+        db.add(e, d);
+      }
+      if (HAS_WEIGHT) dgamma_acc.put(it, dg);
+      if (HAS_BIAS) dbeta_acc.put(it, db);
+    }
+    // RECOMPUTE: derive xhat and g again from the packed inputs below rather
+    // than keep fp32 copies live across the reduction (fewer registers, more
+    // instructions); otherwise the compiler keeps them.
+    if constexpr (RECOMPUTE) {
+#pragma unroll
+      for (int it = 0; it < LDGS; ++it) {
+        xv[it].opaque();
+        dyv[it].opaque();
+      }
+    }
+    reducer.allreduce(sums, at);
+    // dx = rs * (g - mean(g) - xhat * mean(g * xhat)) = a * g + c * xhat + b (b = 0 for RMSNorm)
+    const float a = rs, b = RMS ? 0.f : -rs * sums[0] * inv_cols, c = -rs * sums[SUMS - 1] * inv_cols;
+
+    if (row_ok) {
+      ResVec dres[LDGS];  // unused (and optimized away) without a residual
+      if constexpr (HAS_RESIDUAL) drs.read(stage, row, dres, at);
+#pragma unroll
+      for (int it = 0; it < LDGS; ++it) {
+        if (!at.in_row(it)) continue;
+        const auto wv = w(it, at);
+        float out[ELTS_PER_LDG];
+#pragma unroll
+        for (int e = 0; e < ELTS_PER_LDG; ++e) {
+          const float xhat = ZERO_XHAT ? 0.f : (xv[it].get(e) - mu) * rs;
+          const float d = dyv[it].get(e);
+          const float g = HAS_WEIGHT ? d * scale_of(wv.get(e)) : d;
+          out[e] = ZERO_XHAT ? 0.f : fmaf(a, g, fmaf(c, xhat, b));
+          if constexpr (HAS_RESIDUAL) out[e] += dres[it].get(e);
+        }
+        InVec o;
+        o.set_all(out);
+        store_vec(o, at.frame(dx, row, lddx), it, at);
+      }
+    }
+  }, xs, dys, drs);
+
+  if constexpr (HAS_WEIGHT || HAS_BIAS) {
+    float* gpart = dgamma_part + at.group * COLS;
+    float* bpart = dbeta_part + at.group * COLS;
+    if constexpr (WARPS_M == 1 && !SMEM_ACCUMULATORS) {
+      if (HAS_WEIGHT) dgamma_acc.store(gpart, at);
+      if (HAS_BIAS) dbeta_acc.store(bpart, at);
+    } else {
+      dgamma_acc.spill_to_slots();
+      dbeta_acc.spill_to_slots();
+      __syncthreads();
+      if (HAS_WEIGHT) fold_slots(acc_smem, gpart, at, x, ldx);
+      if (HAS_BIAS) fold_slots(acc_smem + ACC_SLOTS, bpart, at, x, ldx);
+    }
+  }
+  finish_cluster();
+}
+
+// Sums the [parts, COLS] partials column by column into dgamma (weight dtype)
+// and dbeta (bias dtype). A CTA owns 32 * FIN_VEC columns (each lane FIN_VEC
+// neighbours, one vector load per partial row); its warps take interleaved
+// partial rows, then warp 0 adds the warps' results in warp order.
+constexpr int FINALIZE_WARPS = ${FINALIZE_WARPS};
+constexpr int FIN_VEC = COLS % 4 == 0 ? 4 : 1;
+using FinVec = Vec<float, FIN_VEC>;
+static_assert(32 * FIN_VEC == ${FINALIZE_COLS_PER_CTA}, "cunorm.Traits.finalize_cols_per_cta disagrees");
+
+extern "C" __global__ void __launch_bounds__(FINALIZE_WARPS * 32)
+norm_bwd_finalize(const float* __restrict__ dgamma_part, const float* __restrict__ dbeta_part, int parts,
+                  weight_t* __restrict__ dgamma, bias_t* __restrict__ dbeta) {
+  __shared__ FinVec warp_sums[2][FINALIZE_WARPS][32];
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int vec = blockIdx.x * 32 + lane;  // in units of FIN_VEC columns
+  const bool ok = vec < COLS / FIN_VEC;
+  FinVec sg, sb;
+  sg.zero();
+  sb.zero();
+  if (ok) {
+    for (int p = warp; p < parts; p += FINALIZE_WARPS) {
+      FinVec g, b;
+      if (HAS_WEIGHT) g.load(dgamma_part + static_cast<long long>(p) * COLS, vec);
+      if (HAS_BIAS) b.load(dbeta_part + static_cast<long long>(p) * COLS, vec);
+#pragma unroll
+      for (int e = 0; e < FIN_VEC; ++e) {
+        if (HAS_WEIGHT) sg.add(e, g.get(e));
+        if (HAS_BIAS) sb.add(e, b.get(e));
+      }
+    }
+  }
+  warp_sums[0][warp][lane] = sg;
+  warp_sums[1][warp][lane] = sb;
+  __syncthreads();
+  if (warp == 0 && ok) {
+    sg.zero();
+    sb.zero();
+#pragma unroll
+    for (int w = 0; w < FINALIZE_WARPS; ++w)
+#pragma unroll
+      for (int e = 0; e < FIN_VEC; ++e) {
+        sg.add(e, warp_sums[0][w][lane].get(e));
+        sb.add(e, warp_sums[1][w][lane].get(e));
+      }
+#pragma unroll
+    for (int e = 0; e < FIN_VEC; ++e) {
+      if (HAS_WEIGHT) dgamma[vec * FIN_VEC + e] = from_float<weight_t>(sg.get(e));
+      if (HAS_BIAS) dbeta[vec * FIN_VEC + e] = from_float<bias_t>(sb.get(e));
+    }
+  }
+}

@@ -1,0 +1,127 @@
+// Row normalization forward over the last axis, with h = x (+ residual):
+//   LayerNorm  y = (h - mean) * rstd * g + beta
+//   RMSNorm    y = h * rstd * g,         rstd = 1 / sqrt(mean(h^2) + eps)
+// where g is gamma, or 1 + gamma for a zero-centered weight. With a residual,
+// h is summed in fp32 and also stored (residual_out).
+//
+// Each row lives in registers (LDGS vectors of ELTS_PER_LDG elements per
+// thread), so it is read from memory exactly once; the next STAGES - 1 rows are
+// in flight meanwhile (see for_each_row). LayerNorm's mean and variance are
+// exact two-pass sums in fp32 over the registers, never E[h^2] - E[h]^2.
+#include "cunorm_common.cuh"
+#include "norm_traits.cuh"
+
+// Dynamic shared memory: [staged x][staged residual][gamma slots][beta slots].
+constexpr int SMEM_BYTES = RowPipe<input_t>::BYTES + RowPipe<residual_t, HAS_RESIDUAL>::BYTES +
+                           RowWeights<weight_t, HAS_WEIGHT>::BYTES + RowWeights<bias_t, HAS_BIAS>::BYTES;
+static_assert(SMEM_BYTES == ${SMEM_BYTES}, "cunorm.Traits.smem_bytes disagrees with the kernel");
+
+// Row tensors (x, residual, y, residual_out) may alias one another (in place)
+// and so are not __restrict__.
+extern "C" __global__ void __launch_bounds__(THREADS_PER_CTA, MIN_CTAS_PER_SM) CN_CLUSTER_DIMS
+norm_fwd(const input_t* x, const residual_t* residual, const weight_t* __restrict__ gamma,
+         const bias_t* __restrict__ beta, output_t* y, residual_out_t* residual_out,
+         float* __restrict__ mean_out, float* __restrict__ rstd_out,  // may be null
+         long long rows, long long ldx, long long ldr, long long ldy, long long ldro,
+         long long gamma_stride, long long beta_stride, float eps) {
+  using InVec = Vec<input_t, ELTS_PER_LDG>;
+  using ResVec = Vec<residual_t, ELTS_PER_LDG>;
+  using SumVec = Vec<float, ELTS_PER_LDG>;
+  const Coords at(x, ldx);
+  CN_ROW_REDUCER(1, reducer);
+  CN_DYNAMIC_SMEM(smem);
+
+  unsigned char* next = smem;
+  RowPipe<input_t> xs(next, x, ldx, rows, at);
+  next += xs.BYTES;
+  RowPipe<residual_t, HAS_RESIDUAL> rs(next, residual, ldr, rows, at);
+  next += rs.BYTES;
+  const RowWeights<weight_t, HAS_WEIGHT> w(gamma, gamma_stride, next, at);
+  next += w.BYTES;
+  const RowWeights<bias_t, HAS_BIAS> b(beta, beta_stride, next, at);
+
+  constexpr float inv_cols = 1.f / float(COLS);
+  for_each_row(rows, at, [&](long long row, bool row_ok, int stage) {
+    InVec v[LDGS];
+    xs.read(stage, row, v, at);
+    SumVec h[LDGS];  // x + residual in fp32 (optimized away without a residual)
+    if constexpr (HAS_RESIDUAL) {
+      ResVec r[LDGS];
+      rs.read(stage, row, r, at);
+#pragma unroll
+      for (int it = 0; it < LDGS; ++it)
+#pragma unroll
+        for (int e = 0; e < ELTS_PER_LDG; ++e) h[it].set(e, v[it].get(e) + r[it].get(e));
+    }
+    // Element e of LDG step `it` of h; zero outside the row.
+    auto value = [&](int it, int e) -> float {
+      if constexpr (HAS_RESIDUAL) return h[it].get(e);
+      else return v[it].get(e);
+    };
+
+    float mean = 0.f;
+    if constexpr (!RMS) {
+      float sum[1] = {0.f};
+#pragma unroll
+      for (int it = 0; it < LDGS; ++it)
+#pragma unroll
+        for (int e = 0; e < ELTS_PER_LDG; ++e) sum[0] += value(it, e);
+      reducer.allreduce(sum, at);
+      mean = sum[0] * inv_cols;
+    }
+    float sq[1] = {0.f};
+#pragma unroll
+    for (int it = 0; it < LDGS; ++it) {
+      if (!at.in_row(it)) continue;
+      if (RMS || at.full(it)) {  // RMSNorm: padding holds 0, which adds nothing
+#pragma unroll
+        for (int e = 0; e < ELTS_PER_LDG; ++e) {
+          const float d = value(it, e) - mean;
+          sq[0] = fmaf(d, d, sq[0]);
+        }
+      } else {  // a row end (general kernel): padding holds 0, not the mean
+#pragma unroll
+        for (int e = 0; e < ELTS_PER_LDG; ++e) {
+          const float d = at.valid(it, e) ? value(it, e) - mean : 0.f;
+          sq[0] = fmaf(d, d, sq[0]);
+        }
+      }
+    }
+    reducer.allreduce(sq, at);
+    const float rstd = rsqrtf(sq[0] * inv_cols + eps);
+
+    if (row_ok) {
+#pragma unroll
+      for (int it = 0; it < LDGS; ++it) {
+        if (!at.in_row(it)) continue;
+        const auto wv = w(it, at);
+        const auto bv = b(it, at);
+        float out[ELTS_PER_LDG];
+#pragma unroll
+        for (int e = 0; e < ELTS_PER_LDG; ++e) {
+          // (h - mean) * rstd, not h * rstd - mean * rstd: exact even when |mean| >> std.
+          // A row of one element normalizes to 0 (y = beta), whatever eps.
+          const float xhat = (!RMS && COLS == 1) ? 0.f : (value(it, e) - mean) * rstd;
+          const float scaled = HAS_WEIGHT ? xhat * scale_of(wv.get(e)) : xhat;
+          out[e] = HAS_BIAS ? scaled + bv.get(e) : scaled;
+        }
+        Vec<output_t, ELTS_PER_LDG> o;
+        o.set_all(out);
+        store_vec(o, at.frame(y, row, ldy), it, at);
+        if constexpr (HAS_RESIDUAL) {
+          float hs[ELTS_PER_LDG];
+#pragma unroll
+          for (int e = 0; e < ELTS_PER_LDG; ++e) hs[e] = h[it].get(e);
+          Vec<residual_out_t, ELTS_PER_LDG> ho;
+          ho.set_all(hs);
+          store_vec(ho, at.frame(residual_out, row, ldro), it, at);
+        }
+      }
+      if (at.row_leader()) {
+        if (mean_out) mean_out[row] = mean;
+        if (rstd_out) rstd_out[row] = rstd;
+      }
+    }
+  }, xs, rs);
+  finish_cluster();
+}

@@ -1,0 +1,234 @@
+"""Tier C for every tensor a user has (any N, row layouts, weights, dtype mixes,
+in place) and for the flags (RMSNorm, residual, zero-centered weights): the
+case sweeps `cunorm check` runs, plus paths, determinism and bad input."""
+import numpy as np
+import pytest
+
+import cunorm
+from cunorm import check, dtypes, plan
+
+pytestmark = pytest.mark.gpu
+
+GENERAL = check.general_cases()
+FLAGS = check.flag_cases()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _compiled(request):
+    """Compile every kernel of the sweeps in parallel first (cached per process)."""
+    from conftest import gpu_available
+
+    if gpu_available() is None:
+        check.precompile(GENERAL + FLAGS)
+
+
+def _assert_ok(results):
+    bad = [f"{r.case.label()} {r.output}: {r.error:.3e} > {r.tolerance:.0e}" for r in results if not r.ok]
+    assert not bad, "\n".join(bad)
+
+
+@pytest.mark.parametrize("case", GENERAL, ids=lambda c: c.label())
+def test_general(case, rng):
+    _assert_ok(check.run_case(case, rng))
+
+
+@pytest.mark.parametrize("case", FLAGS, ids=lambda c: c.label())
+def test_flags(case, rng):
+    _assert_ok(check.run_case(case, rng))
+
+
+@pytest.fixture
+def ran(monkeypatch):
+    """The traits of every kernel launch the test makes, in order."""
+    seen = []
+    original = plan.resolve
+
+    def spy(*args, **kwargs):
+        found = original(*args, **kwargs)
+        seen.append(found[0])
+        return found
+
+    monkeypatch.setattr(plan, "resolve", spy)
+    return seen
+
+
+def _buffer(shape, dtype, rng):
+    import cupy
+
+    return cupy.asarray(rng.standard_normal(shape).astype(dtypes.numpy_dtype(dtype)))
+
+
+@pytest.mark.parametrize("make,path", [
+    (lambda b: b[:, :4096], "fast"),                      # rows of a wider buffer, row stride N + 128
+    (lambda b: b[:, 64:64 + 4096], "fast"),               # a slice of a fused buffer, row stride N + 64
+    (lambda b: b[:, 1:4097], "general"),                  # an offset view
+    (lambda b: b[:, :4097], "general"),                   # odd N
+    (lambda b: b.reshape(-1)[:37 * 4109].reshape(37, 4109)[:, :4096], "general"),  # row stride N + 13
+])
+def test_path_taken(make, path, ran, rng):
+    """The fast kernel runs whenever the layout is eligible, the general one otherwise."""
+    buf = _buffer((37, 4096 + 128), "bfloat16", rng)
+    x = make(buf)
+    w = _buffer(x.shape[-1], "bfloat16", rng)
+    y, mean, rstd = cunorm.layer_norm(x, w, w, return_stats=True)
+    dy = _buffer(x.shape, "bfloat16", rng)
+    cunorm.layer_norm_backward(dy, x, mean, rstd, w)
+    assert [t.aligned_rows for t in ran] == [path == "fast"] * 2
+    assert cunorm.explain(cunorm.layer_norm, x, w, w).path == path
+    assert check.rel_l2(y, cunorm.reference.layer_norm(x, w, w)[0]) < 8e-3
+
+
+def test_fast_path_with_broadcast_weight(ran, rng):
+    import cupy
+
+    x = _buffer((64, 2048), "bfloat16", rng)
+    w = cupy.broadcast_to(cupy.asarray([1.5], dtype=np.float32), (2048,))
+    y = cunorm.layer_norm(x, w, w)
+    assert ran[-1].aligned_rows
+    assert check.rel_l2(y, cunorm.reference.layer_norm(x, w, w)[0]) < 8e-3
+
+
+def test_explain_says_why(rng):
+    buf = _buffer((8, 4200), "bfloat16", rng)
+    e = cunorm.explain(cunorm.layer_norm, buf[:, :4096])
+    assert e.path == "general" and "row stride 4200 is not a multiple of 8 elements" not in str(e)
+    e = cunorm.explain(cunorm.layer_norm, buf.reshape(-1)[:8 * 4109].reshape(8, 4109)[:, :4096])
+    assert e.path == "general" and "row stride 4109 is not a multiple of 8 elements" in str(e)
+    e = cunorm.explain("rms_norm", buf[:, :4097], buf[0, :4097])
+    assert "hidden size 4097 is not a multiple of 8 elements" in str(e) and e.traits.rms
+    e = cunorm.explain(cunorm.layer_norm, buf[:, :4096].T)
+    assert "copied to a contiguous array" in str(e)
+    assert cunorm.explain(cunorm.layer_norm, np.ones((2, 8), np.float32)).path == "reference"
+
+
+@pytest.mark.parametrize("op,n,layout", [("layer_norm_backward", 4097, "contiguous"),
+                                          ("layer_norm_backward", 1000, "offset:3"),
+                                          ("rms_norm_backward", 65537, "contiguous"),
+                                          ("layer_norm_backward", 33, "stride:+13"),
+                                          ("rms_norm_backward", 4096, "offset:5")])
+def test_general_backward_bitwise_deterministic(op, n, layout, rng):
+    import cupy
+
+    case = check.Case(op, n, 3000, "bfloat16", "float32", has_bias=op.startswith("layer"), layout=layout,
+                      residual_dtype="bfloat16", zero_centered=True)
+    x, w, _, _ = check._inputs(case, rng)
+    g = check._gpu_rng(rng)
+    dy = check.row_tensor(g, case.rows, n, "bfloat16", layout, g.standard_normal((case.rows, n), dtype="float32"))
+    dres = check.row_tensor(g, case.rows, n, "bfloat16", layout, g.standard_normal((case.rows, n), dtype="float32"))
+    if case.rms:
+        _, rstd = cunorm.rms_norm(x, w, zero_centered_weight=True, return_stats=True)
+        runs = [cunorm.rms_norm_backward(dy, x, rstd, w, dresidual=dres, zero_centered_weight=True)
+                for _ in range(3)]
+    else:
+        _, mean, rstd = cunorm.layer_norm(x, w, return_stats=True, zero_centered_weight=True)
+        runs = [cunorm.layer_norm_backward(dy, x, mean, rstd, w, dresidual=dres, zero_centered_weight=True)
+                for _ in range(3)]
+    for other in runs[1:]:
+        for a, b in zip(runs[0], other):
+            if a is None:
+                continue
+            assert cupy.array_equal(a.view(np.uint16 if a.itemsize == 2 else np.uint32),
+                                    b.view(np.uint16 if b.itemsize == 2 else np.uint32))
+
+
+def test_one_element_rows(rng):
+    """N = 1: y = bias exactly, whatever x (no division by zero), and dx = 0."""
+    import cupy
+
+    x = _buffer((50, 1), "float32", rng)
+    w, b = _buffer(1, "float32", rng), _buffer(1, "float32", rng)
+    y, mean, rstd = cunorm.layer_norm(x, w, b, return_stats=True)
+    assert cupy.array_equal(y, cupy.broadcast_to(b, y.shape))
+    dx, dw, db = cunorm.layer_norm_backward(_buffer((50, 1), "float32", rng), x, mean, rstd, w)
+    assert float(abs(dx).max()) == 0 and float(abs(dw).max()) == 0
+
+
+@pytest.mark.parametrize("n", [8192, 4097])
+def test_int64_indexing(n, rng):
+    """M * N past 2^31 elements: 64-bit row offsets, forward and backward."""
+    import cupy
+
+    m = 2**31 // n + 37
+    x = cupy.empty((m, n), dtype=dtypes.BFLOAT16)
+    x[...] = cupy.random.standard_normal((1, n), dtype=np.float32).astype(dtypes.BFLOAT16) + 1
+    x[-3:] = _buffer((3, n), "bfloat16", rng)
+    y, mean, rstd = cunorm.layer_norm(x, return_stats=True)
+    ref, mref, rref = cunorm.reference.layer_norm(x[-3:])
+    assert check.rel_l2(y[-3:], ref) < 8e-3
+    del y
+    tail = x[-3:].copy()
+    dx, _, _ = cunorm.layer_norm_backward(x, x, mean, rstd, has_bias=False)  # dy = x
+    want = cunorm.reference.layer_norm_backward(tail, tail, mean[-3:], rstd[-3:])[0]
+    assert check.rel_l2(dx[-3:], want) < 8e-3
+    del x, dx
+
+
+def test_out_and_in_place(rng):
+    import cupy
+
+    x = _buffer((64, 1000), "float16", rng)
+    ref = cunorm.reference.layer_norm(x)[0]
+    out = cupy.empty((64, 1000), np.float32)
+    assert cunorm.layer_norm(x, out=out) is out and check.rel_l2(out, ref) < 1e-5
+    x2 = x.copy()
+    assert cunorm.layer_norm(x2, out=x2) is x2 and check.rel_l2(x2, ref) < 1e-3
+    buf = cupy.empty((65, 1000), np.float16)
+    with pytest.raises(ValueError, match="out: shares memory with x"):
+        cunorm.layer_norm(buf[:64], out=buf[1:])  # overlapping, not the same view
+    with pytest.raises(TypeError, match="out: dtype float32 differs from out_dtype float16"):
+        cunorm.layer_norm(x, out=out, out_dtype="float16")
+    w = _buffer(1000, "float16", rng)
+    with pytest.raises(ValueError, match="out: shares memory with weight"):
+        cunorm.layer_norm(x, w, out=cupy.lib.stride_tricks.as_strided(w, (64, 1000), (0, 2)))
+    dy = _buffer((64, 1000), "float16", rng)
+    _, mean, rstd = cunorm.layer_norm(x, return_stats=True)
+    want = cunorm.reference.layer_norm_backward(dy, x, mean, rstd)[0]
+    dx, _, _ = cunorm.layer_norm_backward(dy, x, mean, rstd, out=dy)
+    assert dx is dy and check.rel_l2(dx, want) < 1e-3
+    with pytest.raises(TypeError, match="out: dtype float32 must be x's dtype"):
+        cunorm.layer_norm_backward(dy, x, mean, rstd, out=out)
+
+
+def test_gpu_bad_inputs(rng):
+    import cupy
+
+    x = cupy.ones((4, 1024), dtype=np.float32)
+    w = cupy.ones(1024, np.float32)
+    with pytest.raises(ValueError, match="x: negative strides"):
+        cunorm.layer_norm(x[:, ::-1])
+    with pytest.raises(ValueError, match="x: pointer or strides"):
+        cunorm.layer_norm(cupy.ones(4 * 1024 * 2 + 1, np.float16)[1:].view(np.float32).reshape(4, 1024))
+    with pytest.raises(TypeError, match="weight: is a numpy array"):
+        cunorm.layer_norm(x, np.ones(1024, np.float32))
+    with pytest.raises(ValueError, match="weight: shape"):
+        cunorm.layer_norm(x, cupy.ones(1000, np.float32))
+    with pytest.raises(ValueError, match="weight: negative strides"):
+        cunorm.layer_norm(x, w[::-1])
+    with pytest.raises(TypeError, match="x: dtype float64"):
+        cunorm.layer_norm(x.astype(np.float64))
+    with pytest.raises(TypeError, match="x: dtype int32"):
+        cunorm.rms_norm(x.astype(np.int32))
+    with pytest.raises(ValueError, match="residual: shape"):
+        cunorm.rms_norm(x, residual=x[:2])
+    with pytest.raises(ValueError, match="dresidual: shape"):
+        cunorm.rms_norm_backward(x, x, cupy.ones(4, np.float32), dresidual=x[:, :512])
+    with pytest.raises(ValueError, match="zero_centered_weight: needs a weight"):
+        cunorm.rms_norm(x, zero_centered_weight=True)
+    with pytest.raises(ValueError, match="residual_dtype: given without a residual"):
+        cunorm.layer_norm(x, residual_dtype="float32")
+    with pytest.raises(ValueError, match="dy: shape"):
+        cunorm.layer_norm_backward(x[:2], x, cupy.ones(4, np.float32), cupy.ones(4, np.float32))
+    with pytest.raises(TypeError, match="rstd: dtype"):
+        cunorm.layer_norm_backward(x, x, cupy.ones(4, np.float32), cupy.ones(4, np.float16))
+    with pytest.raises(ValueError, match="out: strides"):
+        cunorm.layer_norm(x, out=cupy.ones((1024, 4), np.float32).T)
+    with pytest.raises(ValueError, match="x: the last axis"):
+        cunorm.layer_norm(cupy.ones((4, 0), np.float32))
+
+
+def test_non_row_layouts_are_copied(rng):
+    """A transposed x and an axis-permuted 3-D x: copied (documented), correct."""
+    x = _buffer((1000, 64), "bfloat16", rng).T
+    assert check.rel_l2(cunorm.layer_norm(x), cunorm.reference.layer_norm(x)[0]) < 8e-3
+    x3 = _buffer((4, 300, 96), "float32", rng).transpose(1, 0, 2)
+    assert check.rel_l2(cunorm.rms_norm(x3), cunorm.reference.rms_norm(x3)[0]) < 1e-5

@@ -261,7 +261,8 @@ def case_call(case: Case) -> dict:
     inputs = 2 + (case.residual_dtype is not None) if case.backward else 1 + (case.residual_dtype is not None)
     rows = [layout.Rows(f"in{i}", None, m, ld, offset) for i in range(inputs)]
     outputs = 1 + (case.residual_dtype is not None and not case.backward) - case.in_place
-    rows += [layout.fresh_rows(f"out{i}", m, n, 0) for i in range(outputs)]
+    mirrored = layout.mirrored_offset(rows[0], dtypes.itemsize(case.dtype))
+    rows += [layout.fresh_rows(f"out{i}", m, n, mirrored) for i in range(outputs)]
     max_vector, aligned_vector = layout.vector_widths(rows, n, dtypes.itemsize(case.dtype))
     return dict(base, max_vector=max_vector, aligned_vector=aligned_vector)
 

@@ -15,9 +15,11 @@ OPS = {"layer_norm": (norm.layer_norm, False, False), "rms_norm": (norm.rms_norm
 
 @dataclass(frozen=True)
 class Explanation:
-    """What `op(*args, **kwargs)` would run. path: "fast" (aligned rows, the
-    widest vectors), "general" (shifted or masked rows) or "reference" (numpy
-    inputs, float64 on the CPU); source: "tuned", "heuristic" or "caller"."""
+    """What `op(*args, **kwargs)` would run. path: "fast" (aligned rows, 16-byte
+    vectors), "narrow" (aligned rows, narrower vectors: the row tensors sit at
+    different offsets from 16-byte boundaries), "general" (shifted rows with
+    masked ends) or "reference" (numpy inputs, float64 on the CPU); source:
+    "tuned", "heuristic" or "caller"."""
 
     op: str
     path: str
@@ -47,8 +49,8 @@ def _layout_reasons(p, t: Traits) -> list:
         reasons.append(f"narrower loads ({max_vector * isz} bytes): " + "; ".join(why))
     e = t.elts_per_ldg
     if t.aligned_rows:
-        reasons.append(f"fast path: every row starts on a {e * isz}-byte boundary and is whole {e}-element vectors "
-                       f"long")
+        reasons.append(f"{path_of(t, max_vector)} path: every row starts on a {max_vector * isz}-byte boundary and "
+                       f"is whole {max_vector}-element vectors long ({e * isz}-byte loads)")
     else:
         why = layout.why_not_aligned(rows, p.n, max_vector) or [f"the chosen {e}-element vectors do not fit the rows"]
         reasons.append("general kernel: " + "; ".join(why))
@@ -95,4 +97,12 @@ def explain(op, *args, **kwargs) -> Explanation:
                        f"(sm_{dispatch.TUNED_ARCH})")
     elif source == "heuristic":
         reasons.append("dispatch: the heuristic (no tuned entry applies: other GPU, size, residual or layout)")
-    return Explanation(name, "fast" if t.aligned_rows else "general", t, source, tuple(reasons))
+    return Explanation(name, path_of(t, p.base["max_vector"]), t, source, tuple(reasons))
+
+
+def path_of(t: Traits, max_vector: int) -> str:
+    """"fast", "narrow" or "general" (see Explanation), given the widest
+    vector (elements) the call's layout allows."""
+    if not t.aligned_rows:
+        return "general"
+    return "fast" if max_vector * dtypes.itemsize(t.input_dtype) == 16 else "narrow"

@@ -34,10 +34,28 @@ class Rows:
     copied: str = ""  # why a contiguous copy was made ("" when read in place)
 
 
-def fresh_rows(name: str, rows: int, n: int, itemsize: int) -> Rows:
-    """An output cunorm allocates: contiguous, at an aligned address (CuPy
-    allocations are 256-byte aligned)."""
-    return Rows(name, None, rows, n, 0)
+def fresh_rows(name: str, rows: int, n: int, offset: int) -> Rows:
+    """An output cunorm allocates: contiguous, `offset` elements into an
+    aligned allocation (CuPy allocations are 256-byte aligned). The offset
+    mirrors x's position from a vector boundary, so that an offset view of x
+    still meets its outputs on the same row shifts (see `allocate`)."""
+    return Rows(name, None, rows, n, offset)
+
+
+def allocate(r: Rows, shape: tuple, dtype):
+    """The array of a fresh output: C-contiguous, starting r.offset elements
+    into its allocation."""
+    import cupy
+
+    size = math.prod(shape)
+    if not r.offset:
+        return cupy.empty(shape, dtype=dtype)
+    return cupy.empty(size + r.offset, dtype=dtype)[r.offset:].reshape(shape)
+
+
+def mirrored_offset(x: Rows, itemsize: int) -> int:
+    """Where fresh outputs start beside x: x's offset from a 16-byte boundary, in elements."""
+    return x.offset % max(1, 16 // itemsize)
 
 
 def check_elements(a: Arg):
@@ -167,8 +185,8 @@ def check_outputs(outputs: list, inputs: list, n: int, in_place: dict):
         for t in inputs + outputs[:i]:
             if t is None or t.array.size == 0 or o.array.size == 0:
                 continue
-            same = (t.array.data.ptr == o.array.data.ptr and t.ld == o.ld and t.array.dtype == o.array.dtype
-                    and t.rows == o.rows)
+            same = (isinstance(t, Rows) and t.array.data.ptr == o.array.data.ptr and t.ld == o.ld
+                    and t.array.dtype == o.array.dtype and t.rows == o.rows)
             if same and t.name in in_place.get(o.name, ()):
                 continue
             overlap = rows_overlap(o, t, n) if isinstance(t, Rows) else _extents_meet(o.array, t.array)

@@ -162,9 +162,10 @@ def _prepare(row_inputs: dict, outputs: dict, weights: list, n: int, base: dict,
             layout.check_elements(w)
     rows = {name: None if a is None else layout.rows_of(a, n) for name, a in row_inputs.items()}
     out_rows = {}
-    for name, (given, itemsize) in outputs.items():
+    offset = layout.mirrored_offset(rows["x"], dtypes.itemsize(base["input_dtype"]))
+    for name, given in outputs.items():
         out_rows[name] = (layout.rows_of(given, n, output=True) if given is not None
-                          else layout.fresh_rows(name, rows["x"].rows, n, itemsize))
+                          else layout.fresh_rows(name, rows["x"].rows, n, offset))
     layout.check_outputs([r for r in out_rows.values() if r.array is not None],
                          [r for r in rows.values() if r is not None] + [w for w in weights if w is not None],
                          n, in_place)
@@ -176,13 +177,12 @@ def _prepare(row_inputs: dict, outputs: dict, weights: list, n: int, base: dict,
 
 
 def _alloc(prepared: _Prepared, name: str, shape: tuple, dtype: str):
-    """The output array `name`: the given one, or a new contiguous array."""
-    import cupy
-
+    """The output array `name`: the given one, or a new C-contiguous array
+    (placed as its fresh row view says)."""
     r = prepared.rows[name]
     if r.array is not None:
         return r.array
-    return cupy.empty(shape, dtype=dtypes.numpy_dtype(dtype))
+    return layout.allocate(r, shape, dtypes.numpy_dtype(dtype))
 
 
 def _ptr(a):
@@ -225,9 +225,9 @@ def _forward_args(rms, x, weight, bias, eps, residual, residual_dtype, zero_cent
 def _forward_prepare(args, base) -> _Prepared:
     X, R, O = args["x"], args["residual"], args["out"]
     n = base["hidden_size"]
-    outputs = {"y" if O is None else "out": (O, dtypes.itemsize(base["output_dtype"]))}
+    outputs = {"y" if O is None else "out": O}
     if R is not None:
-        outputs["residual_out"] = (None, dtypes.itemsize(base["residual_out_dtype"]))
+        outputs["residual_out"] = None
     return _prepare({"x": X, "residual": R}, outputs, [args["weight"], args["bias"]], n, base,
                     in_place={"out": ("x",)})
 
@@ -360,7 +360,7 @@ def _backward_args(rms, dy, x, mean, rstd, weight, has_bias, bias_dtype, dresidu
 def _backward_prepare(args, base) -> _Prepared:
     O = args["out"]
     n = base["hidden_size"]
-    outputs = {"dx" if O is None else "out": (O, dtypes.itemsize(base["input_dtype"]))}
+    outputs = {"dx" if O is None else "out": O}
     stats = [args.get("mean"), args.get("rstd")]
     return _prepare({"x": args["x"], "dy": args["dy"], "dresidual": args["dresidual"]}, outputs,
                     [args["weight"]] + stats, n, base, in_place={"out": ("dy", "dresidual")})

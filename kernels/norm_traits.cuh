@@ -188,7 +188,9 @@ constexpr int PIPE_SLOTS = STAGES > 1 ? STAGES * STAGE_SLOTS : 0;
 // when read. A shifted row's first chunk is copied whole (the bytes before the
 // row lie in the same allocation, which is aligned; they are masked after
 // reading) and its last chunks up to the row's end (cp.async fills the rest
-// with zeros).
+// with zeros). A zero-filling cp.async still counts as a whole-chunk access,
+// which the next row's bytes cover, except past the last row (or rows that
+// overlap): there the partial chunk is copied element by element.
 template <typename T, bool ACTIVE = true>
 struct RowPipe {
   using V = Vec<T, ELTS_PER_LDG>;
@@ -226,6 +228,14 @@ struct RowPipe {
               const int end = at.shift + COLS - chunk_first;  // row elements from the chunk's start on
               n = chunk_first + CHUNK_ELTS <= at.shift || end <= 0
                       ? 0 : (end >= CHUNK_ELTS ? CHUNK_ELTS : end) * int(sizeof(T));
+              if (n && end < CHUNK_ELTS && (row == rows - 1 || ld * int(sizeof(T)) < V::CHUNK_BYTES)) {
+#pragma unroll
+                for (int e = 0; e < CHUNK_ELTS; ++e) {
+                  const int u = chunk_first + e;
+                  dst->elts[c * CHUNK_ELTS + e] = u >= at.shift && u < at.shift + COLS ? f[u] : T{};
+                }
+                continue;
+              }
             }
           }
           const T* src = n ? f + first + c * CHUNK_ELTS : base;

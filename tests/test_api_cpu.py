@@ -37,6 +37,24 @@ def test_backward_optional_outputs(rng):
     assert dw is None and db.dtype == np.float32
 
 
+def test_numpy_rms_residual_and_return_conventions(rng):
+    x = rng.standard_normal((5, 24)).astype(dtypes.BFLOAT16)
+    r = rng.standard_normal((5, 24)).astype(np.float32)
+    w = rng.standard_normal(24).astype(np.float16)
+    y, h, rstd = cunorm.rms_norm(x, w, residual=r, zero_centered_weight=True, return_stats=True)
+    assert y.dtype == dtypes.BFLOAT16 and h.dtype == np.float32 and rstd.shape == (5,)
+    h64 = x.astype(np.float64) + r
+    ref = h64 / np.sqrt((h64 ** 2).mean(-1, keepdims=True) + 1e-6) * (1 + w.astype(np.float64))
+    np.testing.assert_allclose(y.astype(np.float64), ref, rtol=1e-2, atol=1e-2)
+    np.testing.assert_allclose(h, h64, rtol=1e-6)
+    y2, h2 = cunorm.layer_norm(x, w, residual=r, residual_dtype="bfloat16")
+    assert h2.dtype == dtypes.BFLOAT16
+    dx, dw = cunorm.rms_norm_backward(y.astype(np.float32), h, rstd, w, dresidual=r, zero_centered_weight=True)
+    assert dx.dtype == np.float32 and dw.dtype == np.float16
+    out = np.empty((5, 24), np.float32)
+    assert cunorm.layer_norm(x, out=out) is out
+
+
 def test_zero_rows(rng):
     x = np.empty((0, 16), np.float32)
     y, mean, rstd = cunorm.layer_norm(x, return_stats=True)
@@ -48,16 +66,29 @@ def test_zero_rows(rng):
     (lambda x: cunorm.layer_norm(x.astype(np.float64)), TypeError, "x: dtype float64"),
     (lambda x: cunorm.layer_norm(x.astype(np.int32)), TypeError, "x: dtype int32"),
     (lambda x: cunorm.layer_norm(x, np.ones(7, np.float32)), ValueError, "weight: shape"),
-    (lambda x: cunorm.layer_norm(x, np.ones(8, np.float16)), TypeError, "weight: dtype float16"),
-    (lambda x: cunorm.layer_norm(x, np.ones(8, np.float32), np.ones(8, dtypes.BFLOAT16)), TypeError,
-     "bias: dtype bfloat16"),
+    (lambda x: cunorm.layer_norm(x, np.ones(8, np.int32)), TypeError, "weight: dtype int32"),
+    (lambda x: cunorm.layer_norm(x, np.ones(8, np.float32), np.ones(8, np.float64)), TypeError,
+     "bias: dtype float64"),
+    (lambda x: cunorm.layer_norm(x, np.ones((2, 4), np.float32)), ValueError, "weight: shape"),
+    (lambda x: cunorm.layer_norm(x, residual=x[:2]), ValueError, "residual: shape"),
+    (lambda x: cunorm.layer_norm(x, residual_dtype="float32"), ValueError, "residual_dtype: given without"),
+    (lambda x: cunorm.layer_norm(x, residual=x, residual_dtype="int8"), TypeError, "residual_dtype: unsupported"),
+    (lambda x: cunorm.rms_norm(x, zero_centered_weight=True), ValueError, "zero_centered_weight: needs a weight"),
+    (lambda x: cunorm.rms_norm_backward(x, x, x[:, 0], dresidual=x[:, :4]), ValueError, "dresidual: shape"),
+    (lambda x: cunorm.rms_norm_backward(x, x, x[:, 0], zero_centered_weight=True), ValueError,
+     "zero_centered_weight: needs a weight"),
+    (lambda x: cunorm.layer_norm(x, out=np.ones((4, 8), np.float16), out_dtype="float32"), TypeError,
+     "out: dtype float16 differs from out_dtype float32"),
+    (lambda x: cunorm.layer_norm(x, out=np.ones((4, 9), np.float32)), ValueError, "out: shape"),
+    (lambda x: cunorm.layer_norm_backward(x, x, x[:, 0], x[:, 0], out=np.ones((4, 8), np.float16)), TypeError,
+     "out: dtype float16 must be x's dtype"),
     (lambda x: cunorm.layer_norm(x, eps=-1), ValueError, "eps"),
     (lambda x: cunorm.layer_norm(x, eps=float("nan")), ValueError, "eps"),
     (lambda x: cunorm.layer_norm(x, eps="a"), TypeError, "eps"),
     (lambda x: cunorm.layer_norm(np.float32(1.0)), TypeError, "x: expected"),
     (lambda x: cunorm.layer_norm(np.ones((), np.float32)), ValueError, "x: needs at least one axis"),
     (lambda x: cunorm.layer_norm(np.ones((3, 0), np.float32)), ValueError, "x: the last axis"),
-    (lambda x: cunorm.layer_norm(x, out_dtype="int8"), ValueError, "unsupported dtype"),
+    (lambda x: cunorm.layer_norm(x, out_dtype="int8"), TypeError, "out_dtype: unsupported dtype"),
     (lambda x: cunorm.layer_norm_backward(x[:2], x, x[:, 0], x[:, 0]), ValueError, "dy: shape"),
     (lambda x: cunorm.layer_norm_backward(x, x, x[:2, 0], x[:, 0]), ValueError, "mean: shape"),
     (lambda x: cunorm.layer_norm_backward(x, x, x[:, 0], x[:, 0].astype(np.float16)), TypeError, "rstd: dtype"),

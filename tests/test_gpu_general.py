@@ -60,21 +60,24 @@ def _buffer(shape, dtype, rng):
 
 @pytest.mark.parametrize("make,path", [
     (lambda b: b[:, :4096], "fast"),                      # rows of a wider buffer, row stride N + 128
-    (lambda b: b[:, 64:64 + 4096], "fast"),               # a slice of a fused buffer, row stride N + 64
-    (lambda b: b[:, 1:4097], "general"),                  # an offset view
-    (lambda b: b[:, :4097], "general"),                   # odd N
-    (lambda b: b.reshape(-1)[:37 * 4109].reshape(37, 4109)[:, :4096], "general"),  # row stride N + 13
+    (lambda b: b[:, 64:64 + 4096], "fast"),               # a slice of a fused buffer
+    (lambda b: b[:, 1:4097], "general"),                  # an offset view: outputs mirror its offset
+    (lambda b: b.reshape(-1)[:37 * 4097].reshape(37, 4097), "general"),  # odd N, contiguous
+    (lambda b: b[:, :4097], "narrow"),                    # odd N, row stride N + 127: outputs sit elsewhere
+    (lambda b: b.reshape(-1)[:37 * 4109].reshape(37, 4109)[:, :4096], "narrow"),  # row stride N + 13
 ])
 def test_path_taken(make, path, ran, rng):
-    """The fast kernel runs whenever the layout is eligible, the general one otherwise."""
-    buf = _buffer((37, 4096 + 128), "bfloat16", rng)
-    x = make(buf)
+    """The fast kernel runs whenever the layout is eligible; the kernel that ran
+    is the one explain reports."""
+    x = make(_buffer((37, 4096 + 128), "bfloat16", rng))
     w = _buffer(x.shape[-1], "bfloat16", rng)
     y, mean, rstd = cunorm.layer_norm(x, w, w, return_stats=True)
-    dy = _buffer(x.shape, "bfloat16", rng)
-    cunorm.layer_norm_backward(dy, x, mean, rstd, w)
-    assert [t.aligned_rows for t in ran] == [path == "fast"] * 2
+    dy = make(_buffer((37, 4096 + 128), "bfloat16", rng))  # laid out as x
+    dx, _, _ = cunorm.layer_norm_backward(dy, x, mean, rstd, w)
+    assert [t.aligned_rows for t in ran] == [path != "general"] * 2
     assert cunorm.explain(cunorm.layer_norm, x, w, w).path == path
+    assert cunorm.explain(cunorm.layer_norm_backward, dy, x, mean, rstd, w).path == path
+    assert y.flags.c_contiguous and dx.flags.c_contiguous
     assert check.rel_l2(y, cunorm.reference.layer_norm(x, w, w)[0]) < 8e-3
 
 
@@ -91,9 +94,11 @@ def test_fast_path_with_broadcast_weight(ran, rng):
 def test_explain_says_why(rng):
     buf = _buffer((8, 4200), "bfloat16", rng)
     e = cunorm.explain(cunorm.layer_norm, buf[:, :4096])
-    assert e.path == "general" and "row stride 4200 is not a multiple of 8 elements" not in str(e)
+    assert e.path == "fast" and "fast path: every row starts on a 16-byte boundary" in str(e)
     e = cunorm.explain(cunorm.layer_norm, buf.reshape(-1)[:8 * 4109].reshape(8, 4109)[:, :4096])
-    assert e.path == "general" and "row stride 4109 is not a multiple of 8 elements" in str(e)
+    assert e.path == "narrow" and "x and y sit at different offsets from 8-element boundaries" in str(e)
+    e = cunorm.explain(cunorm.layer_norm, buf[:, 3:4099])
+    assert e.path == "general" and "x starts 3 elements past a 8-element boundary" in str(e)
     e = cunorm.explain("rms_norm", buf[:, :4097], buf[0, :4097])
     assert "hidden size 4097 is not a multiple of 8 elements" in str(e) and e.traits.rms
     e = cunorm.explain(cunorm.layer_norm, buf[:, :4096].T)
@@ -156,11 +161,13 @@ def test_int64_indexing(n, rng):
     ref, mref, rref = cunorm.reference.layer_norm(x[-3:])
     assert check.rel_l2(y[-3:], ref) < 8e-3
     del y
-    tail = x[-3:].copy()
-    dx, _, _ = cunorm.layer_norm_backward(x, x, mean, rstd, has_bias=False)  # dy = x
-    want = cunorm.reference.layer_norm_backward(tail, tail, mean[-3:], rstd[-3:])[0]
+    dy = cupy.empty_like(x)
+    dy[...] = cupy.random.standard_normal((1, n), dtype=np.float32).astype(dtypes.BFLOAT16)
+    dy[-3:] = _buffer((3, n), "bfloat16", rng)
+    dx, _, _ = cunorm.layer_norm_backward(dy, x, mean, rstd, has_bias=False)
+    want = cunorm.reference.layer_norm_backward(dy[-3:], x[-3:], mean[-3:], rstd[-3:])[0]
     assert check.rel_l2(dx[-3:], want) < 8e-3
-    del x, dx
+    del x, dx, dy
 
 
 def test_out_and_in_place(rng):
@@ -177,9 +184,9 @@ def test_out_and_in_place(rng):
         cunorm.layer_norm(buf[:64], out=buf[1:])  # overlapping, not the same view
     with pytest.raises(TypeError, match="out: dtype float32 differs from out_dtype float16"):
         cunorm.layer_norm(x, out=out, out_dtype="float16")
-    w = _buffer(1000, "float16", rng)
+    w_buf = cupy.ones(64 * 1000, np.float16)
     with pytest.raises(ValueError, match="out: shares memory with weight"):
-        cunorm.layer_norm(x, w, out=cupy.lib.stride_tricks.as_strided(w, (64, 1000), (0, 2)))
+        cunorm.layer_norm(x, w_buf[:1000], out=w_buf.reshape(64, 1000))
     dy = _buffer((64, 1000), "float16", rng)
     _, mean, rstd = cunorm.layer_norm(x, return_stats=True)
     want = cunorm.reference.layer_norm_backward(dy, x, mean, rstd)[0]

@@ -83,7 +83,7 @@ def check(sizes, rows, dtype_names, ops, sweeps, seed, compile_only, arch, as_js
     if gpu_count() == 0:
         click.echo("cunorm check: no CUDA GPU found (use --compile-only to check compilation without one)", err=True)
         sys.exit(EXIT_NO_GPU)
-    from .check import run_case
+    from .check import precompile, run_case
 
     rng = np.random.default_rng(seed)
     precompile(cases)

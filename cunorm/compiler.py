@@ -9,6 +9,7 @@ returns the cubin with ptxas's resource report.
 from __future__ import annotations
 
 import re
+import functools
 import threading
 from dataclasses import dataclass, field
 
@@ -102,6 +103,7 @@ _cache_lock = threading.Lock()
 _key_locks: dict = {}
 
 
+@functools.lru_cache(maxsize=None)
 def device_arch(device_id: int) -> int:
     import cupy
 

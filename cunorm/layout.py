@@ -60,6 +60,11 @@ def mirrored_offset(x: Rows, itemsize: int) -> int:
 
 def check_elements(a: Arg):
     arr = a.array
+    if arr.flags.c_contiguous:  # the common case, checked cheaply: strides are whole, positive elements
+        if arr.data.ptr % arr.itemsize:
+            raise ValueError(f"{a.name}: pointer is not a whole {arr.dtype} element (a view reinterpreting "
+                             f"another dtype?)")
+        return
     if arr.data.ptr % arr.itemsize or any(s % arr.itemsize for s in arr.strides):
         raise ValueError(f"{a.name}: pointer or strides {arr.strides} are not whole {arr.dtype} elements (a view "
                          f"reinterpreting another dtype?); the row stride must be a whole number of elements")
@@ -88,7 +93,7 @@ def rows_of(a: Arg, n: int, *, output: bool = False) -> Rows:
     check_elements(a)
     arr = a.array
     rows = math.prod(arr.shape[:-1])
-    ld = row_stride(arr.shape, tuple(s // arr.itemsize for s in arr.strides), n)
+    ld = n if arr.flags.c_contiguous else row_stride(arr.shape, tuple(s // arr.itemsize for s in arr.strides), n)
     if output:
         if ld is None:
             raise ValueError(f"{a.name}: strides {arr.strides} are not a unit last-axis stride with one row stride; "
@@ -110,23 +115,21 @@ def vector_widths(row_tensors: list, n: int, x_itemsize: int) -> tuple:
     """(widest E every row tensor's shifts agree on, widest E with aligned
     rows), both powers of two of at most 16 bytes of x. The first row tensor is x."""
     x = row_tensors[0]
-
-    def congruent(e: int) -> bool:
-        return all((t.offset - x.offset) % e == 0 and (x.rows <= 1 or (t.ld - x.ld) % e == 0)
-                   for t in row_tensors)
-
-    def aligned(e: int) -> bool:
-        return n % e == 0 and x.offset % e == 0 and (x.rows <= 1 or x.ld % e == 0) and congruent(e)
-
     widest = max(1, 16 // x_itemsize)
-    shifted = next(e for e in _powers_down(widest) if congruent(e))
-    return shifted, next(e for e in _powers_down(shifted) if aligned(e))
+    # E divides every offset and row-stride difference from x's (and, for aligned rows, x's own and N):
+    # the lowest set bit of their OR bounds it.
+    spread = 0
+    for t in row_tensors:
+        spread |= (t.offset - x.offset) | ((t.ld - x.ld) if x.rows > 1 else 0)
+    shifted = _widest_dividing(spread, widest)
+    aligned = _widest_dividing(spread | n | x.offset | (x.ld if x.rows > 1 else 0), shifted)
+    return shifted, aligned
 
 
-def _powers_down(e: int):
-    while e >= 1:
-        yield e
-        e //= 2
+def _widest_dividing(bits: int, cap: int) -> int:
+    """The largest power of two <= cap dividing every number whose bits are OR-ed in `bits`."""
+    low = bits & -bits if bits else cap
+    return min(low, cap)
 
 
 def why_not_aligned(row_tensors: list, n: int, e: int) -> list:

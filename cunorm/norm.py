@@ -259,7 +259,7 @@ def _forward(rms, x, weight, bias, eps, *, residual, residual_dtype, zero_center
 
     import cupy
 
-    dev = X.array.device.id
+    dev = X.array.data.device_id
     n, lead = base["hidden_size"], tuple(X.array.shape[:-1])
     with cupy.cuda.Device(dev):
         p = _forward_prepare(args, base)
@@ -389,7 +389,7 @@ def _backward(rms, dy, x, mean, rstd, weight, *, has_bias, bias_dtype, dresidual
 
     import cupy
 
-    dev = X.array.device.id
+    dev = X.array.data.device_id
     n = base["hidden_size"]
     with cupy.cuda.Device(dev):
         p = _backward_prepare(args, base)

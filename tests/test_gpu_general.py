@@ -39,7 +39,11 @@ def test_flags(case, rng):
 
 @pytest.fixture
 def ran(monkeypatch):
-    """The traits of every kernel launch the test makes, in order."""
+    """The traits of every kernel launch the test makes, in order (the plan
+    cache starts empty, so that every call plans)."""
+    from cunorm import norm
+
+    monkeypatch.setattr(norm, "_PLANS", {})
     seen = []
     original = plan.resolve
 
@@ -89,6 +93,22 @@ def test_fast_path_with_broadcast_weight(ran, rng):
     y = cunorm.layer_norm(x, w, w)
     assert ran[-1].aligned_rows
     assert check.rel_l2(y, cunorm.reference.layer_norm(x, w, w)[0]) < 8e-3
+
+
+def test_repeated_calls_reuse_the_plan(ran, rng):
+    """A second call of the same layout is planned once and still reads its own arrays."""
+    import cupy
+
+    xs = [_buffer((300, 4097), "bfloat16", rng) for _ in range(3)]
+    w = _buffer(4097, "float32", rng)
+    for x in xs:
+        y, mean, rstd = cunorm.layer_norm(x, w, w, return_stats=True)
+        assert check.rel_l2(y, cunorm.reference.layer_norm(x, w, w)[0]) < 8e-3
+        dy = cupy.ones_like(x)
+        dx, dw, db = cunorm.layer_norm_backward(dy, x, mean, rstd, w)
+        want = cunorm.reference.layer_norm_backward(dy, x, mean, rstd, w)
+        assert check.rel_l2(dx, want[0]) < 8e-3 and check.rel_l2(dw, want[1]) < 1e-5
+    assert len(ran) == 2  # one forward and one backward plan
 
 
 def test_explain_says_why(rng):

@@ -60,15 +60,12 @@ def mirrored_offset(x: Rows, itemsize: int) -> int:
 
 def check_elements(a: Arg):
     arr = a.array
-    if arr.flags.c_contiguous:  # the common case, checked cheaply: strides are whole, positive elements
-        if arr.data.ptr % arr.itemsize:
-            raise ValueError(f"{a.name}: pointer is not a whole {arr.dtype} element (a view reinterpreting "
-                             f"another dtype?)")
-        return
-    if arr.data.ptr % arr.itemsize or any(s % arr.itemsize for s in arr.strides):
+    # C-contiguous (the common case, checked cheaply): strides are whole, positive elements.
+    contiguous = arr.flags.c_contiguous
+    if arr.data.ptr % arr.itemsize or (not contiguous and any(s % arr.itemsize for s in arr.strides)):
         raise ValueError(f"{a.name}: pointer or strides {arr.strides} are not whole {arr.dtype} elements (a view "
                          f"reinterpreting another dtype?); the row stride must be a whole number of elements")
-    if any(s < 0 for s, n in zip(arr.strides, arr.shape) if n > 1):
+    if not contiguous and any(s < 0 for s, n in zip(arr.strides, arr.shape) if n > 1):
         raise ValueError(f"{a.name}: negative strides {arr.strides} are not supported; pass a copy "
                          f"(e.g. cupy.ascontiguousarray)")
 

@@ -1,11 +1,18 @@
 """Tier B: every dispatch entry compiles with NVRTC for sm_80 and sm_90, with
-no spills and no stack frame. Needs NVRTC, not a GPU."""
+no spills and no stack frame (except the heuristic's documented last resorts
+for rows no smaller CTA holds). Needs NVRTC, not a GPU."""
 import pytest
 
 from cunorm import Traits, compile_only, dispatch, dtypes
 from cunorm.compiler import parse_ptxas_log
+from cunorm.traits import PREFERRED_ELTS_PER_THREAD
 
 pytestmark = pytest.mark.nvrtc
+
+
+def _last_resort(t: Traits) -> bool:
+    """A heuristic pick past the register budget (1024-thread CTAs or more elements than fit): may spill."""
+    return t.threads_per_cta > 512 or t.elts_per_thread > PREFERRED_ELTS_PER_THREAD[t.holds_two_rows]
 
 
 def _entries(arch):
@@ -15,10 +22,8 @@ def _entries(arch):
                 for wdt in dict.fromkeys((dt, "float32")):
                     try:
                         yield dispatch.choose(hidden_size=n, input_dtype=dt, weight_dtype=wdt, output_dtype=dt, backward=backward, arch=arch)[0]
-                    except ValueError:
-                        # Rows too wide for one CTA without clusters are refused on sm_80 (wide N only).
-                        assert arch < 90 and n > 8192
-                        continue
+                    except ValueError:  # never on the tuned sizes: a last resort runs instead
+                        raise
 
 
 @pytest.mark.parametrize("arch", [90, 80])
@@ -31,7 +36,7 @@ def test_every_dispatch_entry_compiles_clean(arch):
         names = {f.name for f in report.functions}
         assert names == set(t.launches()), (t.short(), names)
         for f in report.functions:
-            if f.spills or f.stack_frame:
+            if (f.spills or f.stack_frame) and not _last_resort(t):
                 bad.append(f"{t.short()} {f.name}: {f.registers} regs, stack {f.stack_frame}, "
                            f"spills {f.spill_stores}/{f.spill_loads}")
         assert report.cubin[:4] == b"\x7fELF"
@@ -58,6 +63,24 @@ def test_flag_variants_compile():
                                      cache_weights=cache)
                     assert compile_only(t, 90).clean, t.short()
     assert compile_only(base.replace(backward=True, smem_accumulators=True, warps_m=2, warps_n=4), 90).clean
+
+
+def test_general_and_flag_sample_compiles():
+    """The general kernel (odd sizes, offset views, odd row strides, broadcast weights, in place) and the
+    flags (RMSNorm, residual, zero-centered), as `cunorm check` dispatches them: clean up to N = 65537."""
+    from cunorm import check
+
+    sample = [c for c in check.general_cases(sizes=(1, 7, 33, 4097, 65537)) + check.flag_cases(sizes=(7, 4097))
+              if c.hidden_size in (1, 7, 33, 1000, 1001, 4096, 4097, 65537)][::3]
+    compiled = set()
+    for case in sample:
+        t, _ = dispatch.choose(arch=90, **check.case_call(case))
+        if t in compiled:
+            continue
+        compiled.add(t)
+        assert compile_only(t, 90).clean, t.short()
+    assert len(compiled) > 30
+    assert any(not t.aligned_rows for t in compiled) and any(t.rms and t.has_residual for t in compiled)
 
 
 def test_cluster_traits_refuse_sm80():

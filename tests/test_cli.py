@@ -44,12 +44,21 @@ def test_usage_errors_exit_2(args):
 @pytest.mark.nvrtc
 def test_check_compile_only_json():
     res = CliRunner().invoke(cli.main, ["check", "--compile-only", "--sizes", "1024,1000", "--dtypes", "bf16",
-                                        "--json"])
+                                        "--sweep", "tuned", "--op", "fwd", "--op", "bwd", "--op", "delta", "--json"])
     assert res.exit_code == 0, res.output
     out = json.loads(res.stdout)
     # LayerNorm: sizes x weight dtypes x ops; attention_delta: sizes x alignment caps.
     assert out["failed"] == 0 and len(out["variants"]) == 2 * 2 * 2 + 2 * 2
     assert all(v["ok"] for v in out["variants"])
+
+
+@pytest.mark.nvrtc
+def test_check_compile_only_covers_the_general_kernel():
+    res = CliRunner().invoke(cli.main, ["check", "--compile-only", "--sizes", "4097", "--sweep", "general",
+                                        "--op", "fwd", "--json"])
+    assert res.exit_code == 0, res.output
+    labels = [v["label"] for v in json.loads(res.stdout)["variants"]]
+    assert any(" general " in label for label in labels) and all(v.startswith("N=") for v in labels)
 
 
 @pytest.mark.nvrtc

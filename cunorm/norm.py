@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from . import arrays, dispatch, dtypes, layout, plan, reference
-from . import arrays as arrays_mod
 from .traits import Traits
 
 ABSENT_DTYPE = "float32"  # the dtype named for an absent weight, bias or residual (keeps one compile per shape)
@@ -243,7 +242,7 @@ def _input(p: _Prepared, args: dict, name: str):
 
 
 def _cached_args(names: tuple, arrays: tuple) -> dict:
-    return {name: None if a is None else arrays_mod.Arg(name, a, True) for name, a in zip(names, arrays)}
+    return {name: None if a is None else arrays.Arg(name, a, True) for name, a in zip(names, arrays)}
 
 
 # -- forward ----------------------------------------------------------------------

@@ -207,7 +207,7 @@ _PLANS: dict = {}
 MAX_PLANS = 4096
 
 
-def _signature(arrays: tuple, flags: tuple):
+def _signature(values: tuple, flags: tuple):
     """The cache key of a call, or None when it is not cacheable (numpy or
     DLPack inputs, a knob mapping)."""
     import cupy
@@ -215,7 +215,7 @@ def _signature(arrays: tuple, flags: tuple):
     if isinstance(flags[-1], Mapping):  # traits= as a mapping of knobs
         return None
     key = [flags]
-    for a in arrays:
+    for a in values:
         if a is None:
             key.append(None)
         elif type(a) is cupy.ndarray:
@@ -241,8 +241,9 @@ def _input(p: _Prepared, args: dict, name: str):
     return r.array if r.copied else args[name].array
 
 
-def _cached_args(names: tuple, arrays: tuple) -> dict:
-    return {name: None if a is None else arrays.Arg(name, a, True) for name, a in zip(names, arrays)}
+def _cached_args(names: tuple, values: tuple) -> dict:
+    """Arguments of a call whose signature matched a cached plan (so already known to be GPU arrays)."""
+    return {name: None if a is None else arrays.Arg(name, a, True) for name, a in zip(names, values)}
 
 
 # -- forward ----------------------------------------------------------------------

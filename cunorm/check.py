@@ -332,6 +332,30 @@ def _inputs(case: Case, rng):
     return x, w, b, r
 
 
+def case_kernels(cases, arch: int):
+    """(traits, source) of every distinct kernel the cases run on `arch`, in
+    order; a ValueError (source "unsupported") stands in for a case with no
+    legal traits there. attention_delta cases count both its aligned and its
+    narrowest (offset view) kernels."""
+    from .attention_delta import heuristic as delta_heuristic
+
+    seen = set()
+    for case in cases:
+        if case.op == "attention_delta":
+            found = [(delta_heuristic(case.hidden_size, case.dtype, case.weight_dtype, cap), "heuristic")
+                     for cap in (16, 1)]
+        else:
+            try:
+                found = [dispatch.choose(arch=arch, **case_call(case))]
+            except ValueError as e:
+                yield e, "unsupported"
+                continue
+        for traits, source in found:
+            if traits not in seen:
+                seen.add(traits)
+                yield traits, source
+
+
 def precompile(cases, device_id: int | None = None, workers: int = 16) -> int:
     """Compiles every distinct kernel the cases run, in parallel threads (the
     compile cache is thread-safe), so that running them is not compile-bound.
@@ -341,20 +365,10 @@ def precompile(cases, device_id: int | None = None, workers: int = 16) -> int:
 
     import cupy
 
-    from .attention_delta import heuristic as delta_heuristic
     from .compiler import device_arch, kernels_for
 
     dev = cupy.cuda.Device().id if device_id is None else device_id
-    arch = device_arch(dev)
-    wanted = set()
-    for case in cases:
-        try:
-            if case.op == "attention_delta":
-                wanted.add(delta_heuristic(case.hidden_size, case.dtype, case.weight_dtype, 16))
-            else:
-                wanted.add(dispatch.choose(arch=arch, **case_call(case))[0])
-        except ValueError:
-            continue
+    wanted = [t for t, source in case_kernels(cases, device_arch(dev)) if source != "unsupported"]
 
     def build(t):
         with cupy.cuda.Device(dev):

@@ -103,36 +103,12 @@ def check(sizes, rows, dtype_names, ops, sweeps, seed, compile_only, arch, as_js
     sys.exit(EXIT_FAIL if failed else 0)
 
 
-def _variants(cases, arch):
-    """(traits, source) of every distinct kernel the cases would run on `arch`;
-    a ValueError stands in for a case with no legal traits there."""
-    from .attention_delta import heuristic as delta_heuristic
-    from .check import case_call
-
-    seen = set()
-    for case in cases:
-        if case.op == "attention_delta":
-            for cap in (16, 1):  # aligned layouts, and the narrowest (offset views)
-                found = (delta_heuristic(case.hidden_size, case.dtype, case.weight_dtype, cap), "heuristic")
-                if found[0] not in seen:
-                    seen.add(found[0])
-                    yield found
-            continue
-        try:
-            found = dispatch.choose(arch=arch, **case_call(case))
-        except ValueError as e:
-            yield e, "unsupported"
-            continue
-        if found[0] not in seen:
-            seen.add(found[0])
-            yield found
-
-
 def _compile_only(cases, arch, as_json) -> int:
+    from .check import case_kernels
     from .compiler import CompileError, compile_only
 
     rows, bad = [], 0
-    variants = list(_variants(cases, arch))
+    variants = list(case_kernels(cases, arch))
     with click.progressbar(variants, label=f"compiling for sm_{arch}", file=sys.stderr) as bar:
         for traits, source in bar:
             if isinstance(traits, ValueError):  # reported, not a failure: the dispatch refuses it clearly

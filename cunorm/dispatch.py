@@ -34,13 +34,18 @@ def tuned_knobs(backward: bool, hidden_size: int, input_dtype: str):
     return TUNED.get((backward, hidden_size, dtypes.itemsize(input_dtype)))
 
 
+def tuned_neighbour(hidden_size: int, input_dtype: str) -> int:
+    """The size whose tuned entry a call borrows: N rounded down to whole 16-byte vectors."""
+    return hidden_size - hidden_size % dtypes.vector_elements(dtypes.itemsize(input_dtype))
+
+
 def call_fields(*, max_vector: int | None = None, aligned_vector: int | None = None, **fields) -> tuple:
     """Splits a call into Traits fields and the layout's vector widths
     (elements of x; by default those of contiguous, aligned arrays)."""
     if "weight_dtype" in fields:
         fields.setdefault("bias_dtype", fields["weight_dtype"])
     if max_vector is None:
-        max_vector = 16 // dtypes.itemsize(fields["input_dtype"])
+        max_vector = dtypes.vector_elements(dtypes.itemsize(fields["input_dtype"]))
     if aligned_vector is None:
         aligned_vector = max_vector
         while fields["hidden_size"] % aligned_vector:
@@ -70,8 +75,7 @@ def choose(*, arch: int = CLUSTER_MIN_ARCH, **call) -> tuple:
     fields, max_vector, aligned_vector = call_fields(**call)
     n, input_dtype, backward = fields["hidden_size"], fields["input_dtype"], fields.get("backward", False)
     aligned = aligned_vector == max_vector
-    neighbour = n - n % (16 // dtypes.itemsize(input_dtype))
-    knobs = tuned_knobs(backward, neighbour, input_dtype) if arch == TUNED_ARCH else None
+    knobs = tuned_knobs(backward, tuned_neighbour(n, input_dtype), input_dtype) if arch == TUNED_ARCH else None
     if knobs is not None and not fields.get("has_residual"):
         try:  # a tuned shape may not suit every dtype mix, layout or GPU (registers, shared memory, clusters)
             t = from_knobs(dict(zip(KNOBS, knobs)), **call)
@@ -101,7 +105,7 @@ def heuristic(*, hidden_size: int, input_dtype: str, elts_per_ldg: int | None = 
     CTA to reach MIN_THREADS_PER_CTA."""
     itemsize = dtypes.itemsize(input_dtype)
     if elts_per_ldg is None:  # contiguous aligned rows: the widest vector that divides the row
-        elts_per_ldg = 16 // itemsize
+        elts_per_ldg = dtypes.vector_elements(itemsize)
         while hidden_size % elts_per_ldg:
             elts_per_ldg //= 2
     bytes_per_ldg = elts_per_ldg * itemsize

@@ -40,6 +40,14 @@ def numpy_dtype(name: str) -> np.dtype:
     return np.dtype(name)
 
 
+VECTOR_BYTES = 16  # the widest single load or store
+
+
+def vector_elements(itemsize_bytes: int) -> int:
+    """Elements of that size in the widest vector (at least 1)."""
+    return max(1, VECTOR_BYTES // itemsize_bytes)
+
+
 def itemsize(name: str) -> int:
     return CXX_TYPES[name][1]
 

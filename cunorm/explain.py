@@ -40,7 +40,7 @@ class Explanation:
 def _layout_reasons(p, t: Traits) -> list:
     x_dtype = t.input_dtype
     isz = dtypes.itemsize(x_dtype)
-    widest = 16 // isz
+    widest = dtypes.vector_elements(isz)
     rows = p.row_list()
     reasons = [f"{r.name}: {r.copied}" for r in rows if r.copied]
     max_vector = p.base["max_vector"]
@@ -93,7 +93,7 @@ def explain(op, *args, **kwargs) -> Explanation:
         t, source = plan.resolve_traits(norm._Family, traits, p.base, arch), "caller"
     reasons = _layout_reasons(p, t)
     if source == "tuned":
-        reasons.append(f"dispatch: the tuned entry for N={t.hidden_size - t.hidden_size % (16 // dtypes.itemsize(t.input_dtype))} "
+        reasons.append(f"dispatch: the tuned entry for N={dispatch.tuned_neighbour(t.hidden_size, t.input_dtype)} "
                        f"(sm_{dispatch.TUNED_ARCH})")
     elif source == "heuristic":
         reasons.append("dispatch: the heuristic (no tuned entry applies: other GPU, size, residual or layout)")
@@ -105,4 +105,4 @@ def path_of(t: Traits, max_vector: int) -> str:
     vector (elements) the call's layout allows."""
     if not t.aligned_rows:
         return "general"
-    return "fast" if max_vector * dtypes.itemsize(t.input_dtype) == 16 else "narrow"
+    return "fast" if max_vector * dtypes.itemsize(t.input_dtype) == dtypes.VECTOR_BYTES else "narrow"

@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from . import dtypes
 from .arrays import Arg
 
 
@@ -55,7 +56,7 @@ def allocate(r: Rows, shape: tuple, dtype):
 
 def mirrored_offset(x: Rows, itemsize: int) -> int:
     """Where fresh outputs start beside x: x's offset from a 16-byte boundary, in elements."""
-    return x.offset % max(1, 16 // itemsize)
+    return x.offset % dtypes.vector_elements(itemsize)
 
 
 def check_elements(a: Arg):
@@ -112,7 +113,7 @@ def vector_widths(row_tensors: list, n: int, x_itemsize: int) -> tuple:
     """(widest E every row tensor's shifts agree on, widest E with aligned
     rows), both powers of two of at most 16 bytes of x. The first row tensor is x."""
     x = row_tensors[0]
-    widest = max(1, 16 // x_itemsize)
+    widest = dtypes.vector_elements(x_itemsize)
     # E divides every offset and row-stride difference from x's (and, for aligned rows, x's own and N):
     # the lowest set bit of their OR bounds it.
     spread = 0

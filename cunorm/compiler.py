@@ -15,7 +15,9 @@ from dataclasses import dataclass, field
 
 from .source import render
 
-NVRTC_OPTIONS = ("-std=c++17",)
+# -default-device: the kernels hold no host code, and their generic lambdas
+# (templated call operators, e.g. with_edges's) must compile as device code.
+NVRTC_OPTIONS = ("-std=c++17", "-default-device")
 
 
 class CompileError(RuntimeError):

@@ -202,3 +202,9 @@ def _extents_meet(a, b) -> bool:
     a0, a1 = _extent(a)
     b0, b1 = _extent(b)
     return not (a1 <= b0 or b1 <= a0)
+
+
+def extents_disjoint(a, others: list) -> bool:
+    """Whether array `a` shares no byte range with any of `others` (a cheap
+    sufficient test for check_outputs: disjoint extents never overlap)."""
+    return not any(_extents_meet(a, b) for b in others)

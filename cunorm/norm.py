@@ -153,29 +153,64 @@ class _Prepared:
         x = self.rows["x"]
         period = 1 if t.aligned_rows else layout.shift_period(x.ld, x.rows, t.elts_per_ldg)
         step = period // math.gcd(period, t.rows_per_cta)
-        return -(-groups // step) * step
+        # Down to whole periods (CTAs left over would run as a second wave, doubling the time), or up to one.
+        return max(step, groups // step * step)
 
 
-def _prepare(row_inputs: dict, outputs: dict, weights: list, n: int, base: dict, in_place: dict) -> _Prepared:
+@dataclass(frozen=True)
+class _Direction:
+    """What a direction's call lays out and checks its `out=` against, stated
+    once for both the first call (`_prepare`) and a cached plan (`_cached_out`)."""
+
+    row_inputs: tuple  # inputs read as row tensors, x first
+    weights: tuple  # weight-like inputs (vectors, statistics): read, never written
+    in_place: dict  # {output name: the inputs it may be exactly}
+
+
+_FORWARD = _Direction(("x", "residual"), ("weight", "bias"), {"out": ("x",)})
+_BACKWARD = _Direction(("x", "dy", "dresidual"), ("weight", "mean", "rstd"), {"out": ("dy", "dresidual")})
+
+
+def _check_outputs(d: _Direction, outputs: list, rows: dict, args: dict, n: int):
+    """`layout.check_outputs` of given outputs (row views) against the row
+    inputs' views `rows` and the weight-like arguments, in the direction's order."""
+    weights = [w for w in (args.get(k) for k in d.weights) if w is not None]
+    layout.check_outputs(outputs, [r for r in rows.values() if r is not None] + weights, n, d.in_place)
+
+
+def _prepare(d: _Direction, args: dict, outputs: dict, n: int, base: dict) -> _Prepared:
     """Row views of the inputs (copies for layouts the kernels cannot read),
     given outputs checked for overlap, the vector widths the layout allows."""
-    for w in weights:
-        if w is not None:
-            layout.check_elements(w)
-    rows = {name: None if a is None else layout.rows_of(a, n) for name, a in row_inputs.items()}
+    for k in d.weights:
+        if args.get(k) is not None:
+            layout.check_elements(args[k])
+    rows = {name: None if args.get(name) is None else layout.rows_of(args[name], n) for name in d.row_inputs}
     out_rows = {}
     offset = layout.mirrored_offset(rows["x"], dtypes.itemsize(base["input_dtype"]))
     for name, given in outputs.items():
         out_rows[name] = (layout.rows_of(given, n, output=True) if given is not None
                           else layout.fresh_rows(name, rows["x"].rows, n, offset))
-    layout.check_outputs([r for r in out_rows.values() if r.array is not None],
-                         [r for r in rows.values() if r is not None] + [w for w in weights if w is not None],
-                         n, in_place)
+    _check_outputs(d, [r for r in out_rows.values() if r.array is not None], rows, args, n)
     rows.update(out_rows)
     present = [r for r in rows.values() if r is not None]
     max_vector, aligned_vector = layout.vector_widths(present, n, dtypes.itemsize(base["input_dtype"]))
     base = dict(base, max_vector=max_vector, aligned_vector=aligned_vector)
-    return _Prepared(base, rows, n, rows["x"].rows, in_place)
+    return _Prepared(base, rows, n, rows["x"].rows, d.in_place)
+
+
+def _cached_out(p: _Prepared, d: _Direction, args: dict) -> _Prepared:
+    """A cached plan for a call with `out=`: the out's row view (its layout is
+    the cached one; only the pointer is new), checked for overlap as `_prepare`
+    checks it, the one rule that depends on addresses. When out's extent meets
+    no input's (the common case) nothing can overlap; otherwise the full check
+    runs. Cached plans read their inputs in place."""
+    o = args["out"].array
+    inputs = [args[k].array for k in d.row_inputs + d.weights if args.get(k) is not None]
+    if not layout.extents_disjoint(o, inputs):
+        rows = {name: layout.rows_of(args[name], p.n) for name in d.row_inputs if args[name] is not None}
+        _check_outputs(d, [layout.rows_of(args["out"], p.n, output=True)], rows, args, p.n)
+    out = dataclasses.replace(p.rows["out"], array=o, offset=o.data.ptr // o.itemsize)
+    return dataclasses.replace(p, rows={**p.rows, "out": out})
 
 
 def _alloc(prepared: _Prepared, name: str, shape: tuple, dtype: str):
@@ -200,9 +235,11 @@ def _arr(a):
 
 
 # Plans of GPU calls already validated and laid out, by call signature: a
-# repeated call (same shapes, strides, dtypes, 16-byte alignment, device,
-# flags) skips validation, layout and dispatch. Calls that copy an input or
-# write into `out=` (overlap checks depend on addresses) are never cached.
+# repeated call (same shapes, strides, dtypes, 16-byte alignment and device of
+# every array, `out=` included, and same flags) skips validation, layout and
+# dispatch. Calls that copy an input are never cached. Whether `out=` overlaps
+# an input depends on addresses, so a cache hit with `out=` redoes that check
+# (`_cached_out`).
 _PLANS: dict = {}
 MAX_PLANS = 4096
 
@@ -272,30 +309,30 @@ def _forward_args(rms, x, weight, bias, eps, residual, residual_dtype, zero_cent
 
 
 def _forward_prepare(args, base) -> _Prepared:
-    X, R, O = args["x"], args["residual"], args["out"]
-    n = base["hidden_size"]
+    O = args["out"]
     outputs = {"y" if O is None else "out": O}
-    if R is not None:
+    if args["residual"] is not None:
         outputs["residual_out"] = None
-    return _prepare({"x": X, "residual": R}, outputs, [args["weight"], args["bias"]], n, base,
-                    in_place={"out": ("x",)})
+    return _prepare(_FORWARD, args, outputs, base["hidden_size"], base)
 
 
-FORWARD_INPUTS = ("x", "weight", "bias", "residual")
+FORWARD_ARRAYS = ("x", "weight", "bias", "residual", "out")  # a call's arrays, in signature order
 
 
 def _forward(rms, x, weight, bias, eps, *, residual, residual_dtype, zero_centered_weight, return_stats, out_dtype,
              out, traits):
-    inputs = (x, weight, bias, residual)
-    key = None if out is not None else _signature(inputs, (rms, residual_dtype, bool(zero_centered_weight),
-                                                           out_dtype, traits))
+    inputs = (x, weight, bias, residual, out)
+    key = _signature(inputs, (rms, residual_dtype, bool(zero_centered_weight), out_dtype, traits))
     hit = _PLANS.get(key) if key is not None else None
     if hit is not None:
-        return _forward_launch(*hit, dict(_cached_args(FORWARD_INPUTS, inputs), out=None), _check_eps(eps),
-                               rms, return_stats, None)
+        p, t, kernels, base = hit
+        args = _cached_args(FORWARD_ARRAYS, inputs)
+        if out is not None:
+            p = _cached_out(p, _FORWARD, args)
+        return _forward_launch(p, t, kernels, base, args, _check_eps(eps), rms, return_stats)
     args, on_gpu, base, eps = _forward_args(rms, x, weight, bias, eps, residual, residual_dtype,
                                             zero_centered_weight, out_dtype, out)
-    X, W, B, R, O = (args[k] for k in ("x", "weight", "bias", "residual", "out"))
+    X, W, B, R, O = (args[k] for k in FORWARD_ARRAYS)
     zc = base["zero_centered"]
     if not on_gpu:
         h = reference.add_residual(X.array, _arr(R))
@@ -323,14 +360,14 @@ def _forward(rms, x, weight, bias, eps, *, residual, residual_dtype, zero_center
         p = _forward_prepare(args, base)
         t, kernels = p.resolve(traits, dev)
     _plan_of(key, p, t, kernels, base)
-    return _forward_launch(p, t, kernels, base, args, eps, rms, return_stats, O)
+    return _forward_launch(p, t, kernels, base, args, eps, rms, return_stats)
 
 
 def _forward_launch(p: _Prepared, t: Traits, kernels: dict, base: dict, args: dict, eps: float, rms: bool,
-                    return_stats: bool, O):
+                    return_stats: bool):
     import cupy
 
-    X, W, B, R = (args[k] for k in FORWARD_INPUTS)
+    X, W, B, R, O = (args[k] for k in FORWARD_ARRAYS)
     lead = tuple(X.array.shape[:-1])
     with cupy.cuda.Device(X.array.data.device_id):
         y_name = "y" if O is None else "out"
@@ -429,24 +466,23 @@ def _backward_args(rms, dy, x, mean, rstd, weight, has_bias, bias_dtype, dresidu
 
 def _backward_prepare(args, base) -> _Prepared:
     O = args["out"]
-    n = base["hidden_size"]
-    outputs = {"dx" if O is None else "out": O}
-    stats = [args.get("mean"), args.get("rstd")]
-    return _prepare({"x": args["x"], "dy": args["dy"], "dresidual": args["dresidual"]}, outputs,
-                    [args["weight"]] + stats, n, base, in_place={"out": ("dy", "dresidual")})
+    return _prepare(_BACKWARD, args, {"dx" if O is None else "out": O}, base["hidden_size"], base)
 
 
-BACKWARD_INPUTS = ("dy", "x", "mean", "rstd", "weight", "dresidual")
+BACKWARD_ARRAYS = ("dy", "x", "mean", "rstd", "weight", "dresidual", "out")  # a call's arrays, in signature order
 
 
 def _backward(rms, dy, x, mean, rstd, weight, *, has_bias, bias_dtype, dresidual, zero_centered_weight, out,
               traits):
-    inputs = (dy, x, mean, rstd, weight, dresidual)
-    key = None if out is not None else _signature(inputs, (rms, bool(has_bias), bias_dtype,
-                                                           bool(zero_centered_weight), traits))
+    inputs = (dy, x, mean, rstd, weight, dresidual, out)
+    key = _signature(inputs, (rms, bool(has_bias), bias_dtype, bool(zero_centered_weight), traits))
     hit = _PLANS.get(key) if key is not None else None
     if hit is not None:
-        return _backward_launch(*hit, dict(_cached_args(BACKWARD_INPUTS, inputs), out=None), rms, None)
+        p, t, kernels, base = hit
+        args = _cached_args(BACKWARD_ARRAYS, inputs)
+        if out is not None:
+            p = _cached_out(p, _BACKWARD, args)
+        return _backward_launch(p, t, kernels, base, args, rms)
     args, on_gpu, base = _backward_args(rms, dy, x, mean, rstd, weight, has_bias, bias_dtype, dresidual,
                                         zero_centered_weight, out)
     args.setdefault("mean", None)  # RMSNorm has none
@@ -473,13 +509,13 @@ def _backward(rms, dy, x, mean, rstd, weight, *, has_bias, bias_dtype, dresidual
         p = _backward_prepare(args, base)
         t, kernels = p.resolve(traits, X.array.data.device_id)
     _plan_of(key, p, t, kernels, base)
-    return _backward_launch(p, t, kernels, base, args, rms, O)
+    return _backward_launch(p, t, kernels, base, args, rms)
 
 
-def _backward_launch(p: _Prepared, t: Traits, kernels: dict, base: dict, args: dict, rms: bool, O):
+def _backward_launch(p: _Prepared, t: Traits, kernels: dict, base: dict, args: dict, rms: bool):
     import cupy
 
-    X, W = args["x"], args["weight"]
+    X, W, O = args["x"], args["weight"], args["out"]
     n = base["hidden_size"]
     w_np, b_np = dtypes.numpy_dtype(base["weight_dtype"]), dtypes.numpy_dtype(base["bias_dtype"])
     with cupy.cuda.Device(X.array.data.device_id):

@@ -28,15 +28,18 @@ def _legal(base: dict, **knobs):
     return t
 
 
-def candidates(hidden_size: int, dtype: str, backward: bool, arch: int = 90):
-    """Phase 1: launch shapes (CTAs per row, warps, load width) with default extras."""
+def candidates(hidden_size: int, dtype: str, backward: bool, arch: int = 90, rms: bool = False):
+    """Phase 1: launch shapes (CTAs per row, warps, load width) with default
+    extras, for contiguous rows: the general kernel where the load width does
+    not divide N."""
     base = dict(hidden_size=hidden_size, input_dtype=dtype, weight_dtype=dtype, output_dtype=dtype,
-                backward=backward)
+                backward=backward, rms=rms, has_bias=not rms)
     out = []
     for ctas, wn, wm, bpl in itertools.product(*SHAPES.values()):
         if ctas > 1 and (wm > 1 or arch < 90):
             continue
-        t = _legal(base, ctas_per_row=ctas, warps_n=wn, warps_m=wm, bytes_per_ldg=bpl)
+        aligned = hidden_size % (bpl // dtypes.itemsize(dtype)) == 0
+        t = _legal(base, ctas_per_row=ctas, warps_n=wn, warps_m=wm, bytes_per_ldg=bpl, aligned_rows=aligned)
         if t is not None:
             out.append(t)
     return out
@@ -93,11 +96,11 @@ def _time_all(traits_list, fn_for, repeat, out):
 
 
 def tune(hidden_size: int, dtype: str = "bfloat16", backward: bool = False, elements: int = 2**26,
-         repeat: int = 6, keep: int = 2, out=sys.stdout) -> list:
+         repeat: int = 6, keep: int = 2, rms: bool = False, out=sys.stdout) -> list:
     """[(ms, traits)] sorted fastest first: every shape, then the extras on the `keep` fastest shapes."""
     import cupy
 
-    from .norm import layer_norm, layer_norm_backward
+    from .norm import layer_norm, layer_norm_backward, rms_norm, rms_norm_backward
 
     m = max(1, elements // hidden_size)
     dt = dtypes.numpy_dtype(dtype)
@@ -108,11 +111,15 @@ def tune(hidden_size: int, dtype: str = "bfloat16", backward: bool = False, elem
 
     def fn_for(t):
         knobs = t.knobs()
+        if rms:
+            if backward:
+                return lambda: rms_norm_backward(dy, x, rstd, w, traits=knobs)
+            return lambda: rms_norm(x, w, return_stats=True, traits=knobs)
         if backward:
             return lambda: layer_norm_backward(dy, x, mean, rstd, w, traits=knobs)
         return lambda: layer_norm(x, w, w, return_stats=True, traits=knobs)
 
-    shapes = _time_all(candidates(hidden_size, dtype, backward), fn_for, repeat, out)
+    shapes = _time_all(candidates(hidden_size, dtype, backward, rms=rms), fn_for, repeat, out)
     refined = [t for _, shape in shapes[:keep] for t in refinements(shape)]
     return sorted(shapes + _time_all(refined, fn_for, repeat, out), key=lambda p: p[0])
 
@@ -127,6 +134,7 @@ def main(argv=None):
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--top", type=int, default=3)
     p.add_argument("--direction", choices=["fwd", "bwd", "both"], default="both")
+    p.add_argument("--rms", action="store_true", help="tune RMSNorm (default LayerNorm)")
     p.add_argument("--json", default=None, help="append the best knobs per size to this JSON-lines file")
     a = p.parse_args(argv)
     copy = copy_bandwidth()
@@ -135,16 +143,16 @@ def main(argv=None):
         for backward in {"fwd": (False,), "bwd": (True,), "both": (False, True)}[a.direction]:
             m = 2**26 // n
             nbytes = (3 if backward else 2) * m * n * e + 8 * m
-            ranked = tune(n, a.dtype, backward)
+            ranked = tune(n, a.dtype, backward, rms=a.rms)
             if a.json and ranked:
                 ms, best = ranked[0]
                 with open(a.json, "a") as f:
-                    f.write(json.dumps({"backward": backward, "n": n, "dtype": a.dtype, "ms": ms,
+                    f.write(json.dumps({"backward": backward, "rms": a.rms, "n": n, "dtype": a.dtype, "ms": ms,
                                         "fraction_of_copy": nbytes / (ms * 1e-3) / copy,
                                         "knobs": list(best.knobs().values())}) + "\n")
             for ms, t in ranked[:a.top]:
                 frac = nbytes / (ms * 1e-3) / copy
-                print(f"TUNE {'bwd' if backward else 'fwd'} N={n} {a.dtype} {frac:.3f} of copy {ms:.4f} ms "
+                print(f"TUNE {'rms-' if a.rms else ''}{'bwd' if backward else 'fwd'} N={n} {a.dtype} {frac:.3f} of copy {ms:.4f} ms "
                       f"knobs={tuple(int(v) for v in t.knobs().values())} "
                       f"ldgs={t.ldgs}",
                       flush=True)

@@ -183,23 +183,25 @@ norm_bwd(const output_t* dy, const input_t* x, const residual_t* dresidual,
     if (row_ok) {
       ResVec dres[LDGS];  // unused (and optimized away) without a residual
       if constexpr (HAS_RESIDUAL) drs.read(stage, row, dres, at);
+      with_edges(at, [&](auto edges) {
 #pragma unroll
-      for (int it = 0; it < LDGS; ++it) {
-        if (!at.in_row(it)) continue;
-        const auto wv = w(it, at);
-        float out[ELTS_PER_LDG];
+        for (int it = 0; it < LDGS; ++it) {
+          if (!at.in_row(it)) continue;
+          const auto wv = w(it, at);
+          float out[ELTS_PER_LDG];
 #pragma unroll
-        for (int e = 0; e < ELTS_PER_LDG; ++e) {
-          const float xhat = ZERO_XHAT ? 0.f : (xv[it].get(e) - mu) * rs;
-          const float d = dyv[it].get(e);
-          const float g = HAS_WEIGHT ? d * scale_of(wv.get(e)) : d;
-          out[e] = ZERO_XHAT ? 0.f : fmaf(a, g, fmaf(c, xhat, b));
-          if constexpr (HAS_RESIDUAL) out[e] += dres[it].get(e);
+          for (int e = 0; e < ELTS_PER_LDG; ++e) {
+            const float xhat = ZERO_XHAT ? 0.f : (xv[it].get(e) - mu) * rs;
+            const float d = dyv[it].get(e);
+            const float g = HAS_WEIGHT ? d * scale_of(wv.get(e)) : d;
+            out[e] = ZERO_XHAT ? 0.f : fmaf(a, g, fmaf(c, xhat, b));
+            if constexpr (HAS_RESIDUAL) out[e] += dres[it].get(e);
+          }
+          InVec o;
+          o.set_all(out);
+          store_vec<decltype(edges)::value>(o, at.frame(dx, row, lddx), it, at);
         }
-        InVec o;
-        o.set_all(out);
-        store_vec(o, at.frame(dx, row, lddx), it, at);
-      }
+      });
     }
   }, xs, dys, drs);
 

@@ -70,53 +70,59 @@ norm_fwd(const input_t* x, const residual_t* residual, const weight_t* __restric
       mean = sum[0] * inv_cols;
     }
     float sq[1] = {0.f};
+    with_edges(at, [&](auto edges) {
+      constexpr bool EDGES = decltype(edges)::value;
 #pragma unroll
-    for (int it = 0; it < LDGS; ++it) {
-      if (!at.in_row(it)) continue;
-      if (RMS || at.full(it)) {  // RMSNorm: padding holds 0, which adds nothing
+      for (int it = 0; it < LDGS; ++it) {
+        if (!at.in_row(it)) continue;
+        if (RMS || whole<EDGES>(it, at)) {  // RMSNorm: padding holds 0, which adds nothing
 #pragma unroll
-        for (int e = 0; e < ELTS_PER_LDG; ++e) {
-          const float d = value(it, e) - mean;
-          sq[0] = fmaf(d, d, sq[0]);
-        }
-      } else {  // a row end (general kernel): padding holds 0, not the mean
+          for (int e = 0; e < ELTS_PER_LDG; ++e) {
+            const float d = value(it, e) - mean;
+            sq[0] = fmaf(d, d, sq[0]);
+          }
+        } else {  // a row end (general kernel): padding holds 0, not the mean
 #pragma unroll
-        for (int e = 0; e < ELTS_PER_LDG; ++e) {
-          const float d = at.valid(it, e) ? value(it, e) - mean : 0.f;
-          sq[0] = fmaf(d, d, sq[0]);
+          for (int e = 0; e < ELTS_PER_LDG; ++e) {
+            const float d = at.valid(it, e) ? value(it, e) - mean : 0.f;
+            sq[0] = fmaf(d, d, sq[0]);
+          }
         }
       }
-    }
+    });
     reducer.allreduce(sq, at);
     const float rstd = rsqrtf(sq[0] * inv_cols + eps);
 
     if (row_ok) {
+      with_edges(at, [&](auto edges) {
+        constexpr bool EDGES = decltype(edges)::value;
 #pragma unroll
-      for (int it = 0; it < LDGS; ++it) {
-        if (!at.in_row(it)) continue;
-        const auto wv = w(it, at);
-        const auto bv = b(it, at);
-        float out[ELTS_PER_LDG];
+        for (int it = 0; it < LDGS; ++it) {
+          if (!at.in_row(it)) continue;
+          const auto wv = w(it, at);
+          const auto bv = b(it, at);
+          float out[ELTS_PER_LDG];
 #pragma unroll
-        for (int e = 0; e < ELTS_PER_LDG; ++e) {
-          // (h - mean) * rstd, not h * rstd - mean * rstd: exact even when |mean| >> std.
-          // A row of one element normalizes to 0 (y = beta), whatever eps.
-          const float xhat = (!RMS && COLS == 1) ? 0.f : (value(it, e) - mean) * rstd;
-          const float scaled = HAS_WEIGHT ? xhat * scale_of(wv.get(e)) : xhat;
-          out[e] = HAS_BIAS ? scaled + bv.get(e) : scaled;
+          for (int e = 0; e < ELTS_PER_LDG; ++e) {
+            // (h - mean) * rstd, not h * rstd - mean * rstd: exact even when |mean| >> std.
+            // A row of one element normalizes to 0 (y = beta), whatever eps.
+            const float xhat = (!RMS && COLS == 1) ? 0.f : (value(it, e) - mean) * rstd;
+            const float scaled = HAS_WEIGHT ? xhat * scale_of(wv.get(e)) : xhat;
+            out[e] = HAS_BIAS ? scaled + bv.get(e) : scaled;
+          }
+          Vec<output_t, ELTS_PER_LDG> o;
+          o.set_all(out);
+          store_vec<EDGES>(o, at.frame(y, row, ldy), it, at);
+          if constexpr (HAS_RESIDUAL) {
+            float hs[ELTS_PER_LDG];
+#pragma unroll
+            for (int e = 0; e < ELTS_PER_LDG; ++e) hs[e] = h[it].get(e);
+            Vec<residual_out_t, ELTS_PER_LDG> ho;
+            ho.set_all(hs);
+            store_vec<EDGES>(ho, at.frame(residual_out, row, ldro), it, at);
+          }
         }
-        Vec<output_t, ELTS_PER_LDG> o;
-        o.set_all(out);
-        store_vec(o, at.frame(y, row, ldy), it, at);
-        if constexpr (HAS_RESIDUAL) {
-          float hs[ELTS_PER_LDG];
-#pragma unroll
-          for (int e = 0; e < ELTS_PER_LDG; ++e) hs[e] = h[it].get(e);
-          Vec<residual_out_t, ELTS_PER_LDG> ho;
-          ho.set_all(hs);
-          store_vec(ho, at.frame(residual_out, row, ldro), it, at);
-        }
-      }
+      });
       if (at.row_leader()) {
         if (mean_out) mean_out[row] = mean;
         if (rstd_out) rstd_out[row] = rstd;

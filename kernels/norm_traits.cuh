@@ -81,6 +81,11 @@ struct Coords {
   long long groups;        // row groups in the grid
   int col;                 // first vector column of this thread
   int shift;               // elements from this thread's row starts back to a vector boundary
+  // Whether this warp holds a vector that straddles a row end (general kernel
+  // only; at most two warps of a row). Only such warps take the element-wise
+  // paths (see with_edges); the flag is warp-uniform, so the others branch
+  // past that code instead of running it predicated off.
+  bool edge;
 
   __device__ __forceinline__ Coords(const void* x, long long ldx) {
     const int warp = threadIdx.x / THREADS_PER_WARP;
@@ -92,6 +97,13 @@ struct Coords {
     groups = gridDim.x / CTAS_PER_ROW;
     col = cta_rank * THREADS_PER_ROW + warp_n * THREADS_PER_WARP + lane;
     shift = shift_of(x, ldx, group * ROWS_PER_CTA + warp_m);
+    edge = false;
+    if constexpr (!ALIGNED_ROWS) {
+      bool mine = false;
+#pragma unroll
+      for (int it = 0; it < LDGS; ++it) mine |= in_row(it) && !full(it);
+      edge = __any_sync(0xffffffffu, mine);
+    }
   }
   // The shift of `row` of a row tensor at `x` with row stride `ldx` (elements).
   static __device__ __forceinline__ int shift_of(const void* x, long long ldx, long long row) {
@@ -126,12 +138,35 @@ struct Coords {
   __device__ __forceinline__ bool row_leader() const { return lane == 0 && warp_n == 0 && cta_rank == 0; }
 };
 
+// A compile-time flag as a value, for generic lambdas.
+template <bool B>
+struct Flag {
+  static constexpr bool value = B;
+};
+
+// Runs f(Flag<EDGES>()) with EDGES = at.edge: warps with no vector across a
+// row end run code in which a vector in the row is wholly in it, with the
+// element-wise paths compiled out (every warp of the aligned kernel). The
+// branch is warp-uniform but not CTA-uniform: f must not hold barriers.
+template <typename F>
+__device__ __forceinline__ void with_edges(const Coords& at, F&& f) {
+  if (!ALIGNED_ROWS && at.edge) f(Flag<true>());
+  else f(Flag<false>());
+}
+
+// Whether every element of LDG step `it` lies in the row, where the caller
+// knows whether its warp has edges: outside edge warps, in the row is whole.
+template <bool EDGES>
+__device__ __forceinline__ bool whole(int it, const Coords& at) {
+  return EDGES ? at.full(it) : at.in_row(it);
+}
+
 // Zeros the elements of LDG step `it` that lie before the row (only vector 0
 // of a shifted row has any): they were read along with the row's first chunk.
 template <typename V>
 __device__ __forceinline__ void mask_head(V& v, int it, const Coords& at) {
   if constexpr (!ALIGNED_ROWS) {
-    if (it == 0 && at.col == 0 && at.shift) {
+    if (at.edge && it == 0 && at.col == 0 && at.shift) {
 #pragma unroll
       for (int e = 0; e < V::ELTS; ++e)
         if (e < at.shift) v.set_raw_zero(e);
@@ -146,28 +181,32 @@ __device__ __forceinline__ void load_row(Vec<T, ELTS_PER_LDG> (&v)[LDGS], const 
                                          long long ld, long long rows, const Coords& at) {
   const bool row_ok = row < rows;
   const T* f = at.frame(base, row, ld);
+  with_edges(at, [&](auto edges) {
+    constexpr bool EDGES = decltype(edges)::value;
 #pragma unroll
-  for (int it = 0; it < LDGS; ++it) {
-    if (row_ok && at.full(it)) {
-      v[it].load(f, at.vec(it));
-    } else {
-      v[it].zero();
-      if (row_ok && at.in_row(it)) {
+    for (int it = 0; it < LDGS; ++it) {
+      if (row_ok && whole<EDGES>(it, at)) {
+        v[it].load(f, at.vec(it));
+      } else {
+        v[it].zero();
+        if (EDGES && row_ok && at.in_row(it)) {
 #pragma unroll
-        for (int e = 0; e < ELTS_PER_LDG; ++e)
-          if (at.valid(it, e)) v[it].set_raw(e, f[static_cast<long long>(at.vec(it)) * ELTS_PER_LDG + e]);
+          for (int e = 0; e < ELTS_PER_LDG; ++e)
+            if (at.valid(it, e)) v[it].set_raw(e, f[static_cast<long long>(at.vec(it)) * ELTS_PER_LDG + e]);
+        }
       }
     }
-  }
+  });
 }
 
-// Stores this thread's vectors of `row`: whole vectors inside the row, single
-// elements at its ends (never a byte outside the row).
-template <typename T>
+// Stores this thread's vector of LDG step `it` of a row (frame `f`): whole
+// vectors inside the row, single elements at its ends (never a byte outside
+// the row). EDGES as in with_edges.
+template <bool EDGES, typename T>
 __device__ __forceinline__ void store_vec(const Vec<T, ELTS_PER_LDG>& v, T* f, int it, const Coords& at) {
-  if (at.full(it)) {
+  if (whole<EDGES>(it, at)) {
     v.store(f, at.vec(it));
-  } else if (at.in_row(it)) {
+  } else if (EDGES && at.in_row(it)) {
 #pragma unroll
     for (int e = 0; e < ELTS_PER_LDG; ++e)
       if (at.valid(it, e)) f[static_cast<long long>(at.vec(it)) * ELTS_PER_LDG + e] = v.raw_elt(e);
@@ -213,35 +252,38 @@ struct RowPipe {
       constexpr int CHUNK_ELTS = V::CHUNK_BYTES / int(sizeof(T));
       const bool row_ok = row < rows;
       const T* f = at.frame(base, row, ld);
+      with_edges(at, [&](auto edges) {
+        constexpr bool EDGES = decltype(edges)::value;
 #pragma unroll
-      for (int it = 0; it < LDGS; ++it) {
-        V* dst = slots + stage * STAGE_SLOTS + it * THREADS_PER_ROW;
-        const int first = at.vec(it) * ELTS_PER_LDG;
+        for (int it = 0; it < LDGS; ++it) {
+          V* dst = slots + stage * STAGE_SLOTS + it * THREADS_PER_ROW;
+          const int first = at.vec(it) * ELTS_PER_LDG;
 #pragma unroll
-        for (int c = 0; c < V::CHUNKS; ++c) {
-          int n = 0;  // bytes of this chunk to copy
-          if (row_ok && at.in_row(it)) {
-            if constexpr (ALIGNED_ROWS) {
-              n = V::CHUNK_BYTES;
-            } else {
-              const int chunk_first = first + c * CHUNK_ELTS;
-              const int end = at.shift + COLS - chunk_first;  // row elements from the chunk's start on
-              n = chunk_first + CHUNK_ELTS <= at.shift || end <= 0
-                      ? 0 : (end >= CHUNK_ELTS ? CHUNK_ELTS : end) * int(sizeof(T));
-              if (n && end < CHUNK_ELTS && (row == rows - 1 || ld * int(sizeof(T)) < V::CHUNK_BYTES)) {
+          for (int c = 0; c < V::CHUNKS; ++c) {
+            int n = 0;  // bytes of this chunk to copy
+            if (row_ok && at.in_row(it)) {
+              if constexpr (!EDGES) {
+                n = V::CHUNK_BYTES;
+              } else {
+                const int chunk_first = first + c * CHUNK_ELTS;
+                const int end = at.shift + COLS - chunk_first;  // row elements from the chunk's start on
+                n = chunk_first + CHUNK_ELTS <= at.shift || end <= 0
+                        ? 0 : (end >= CHUNK_ELTS ? CHUNK_ELTS : end) * int(sizeof(T));
+                if (n && end < CHUNK_ELTS && (row == rows - 1 || ld * int(sizeof(T)) < V::CHUNK_BYTES)) {
 #pragma unroll
-                for (int e = 0; e < CHUNK_ELTS; ++e) {
-                  const int u = chunk_first + e;
-                  dst->elts[c * CHUNK_ELTS + e] = u >= at.shift && u < at.shift + COLS ? f[u] : T{};
+                  for (int e = 0; e < CHUNK_ELTS; ++e) {
+                    const int u = chunk_first + e;
+                    dst->elts[c * CHUNK_ELTS + e] = u >= at.shift && u < at.shift + COLS ? f[u] : T{};
+                  }
+                  continue;
                 }
-                continue;
               }
             }
+            const T* src = n ? f + first + c * CHUNK_ELTS : base;
+            cp_async_zfill<V::CHUNK_BYTES>(&dst->raw[c], src, n);
           }
-          const T* src = n ? f + first + c * CHUNK_ELTS : base;
-          cp_async_zfill<V::CHUNK_BYTES>(&dst->raw[c], src, n);
         }
-      }
+      });
     }
   }
   // This thread's vectors of `row`, which `stage` holds (once its copies landed).

@@ -1,4 +1,7 @@
 """Tier A: the numpy path (float64 reference on the CPU) and argument checks."""
+import sys
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 
@@ -136,3 +139,69 @@ def test_arrays_on_different_gpus_are_refused(monkeypatch):
     arrays.take_all({"x": on(0)}, {"weight": on(0), "bias": None})
     with pytest.raises(ValueError, match="weight: is on GPU 1 but x is on GPU 0"):
         arrays.take_all({"x": on(0)}, {"weight": on(1)})
+
+
+class _FakeGpuArray:
+    """A numpy array posing as a CuPy one (its own attributes, plus data.ptr and
+    data.device_id): enough for the plan cache's signature, row views and
+    overlap checks, without a GPU."""
+
+    def __init__(self, a):
+        self._a = a
+        self.data = SimpleNamespace(ptr=a.ctypes.data, device_id=0)
+
+    def __getattr__(self, name):
+        return getattr(self._a, name)
+
+
+def test_signature_covers_out(monkeypatch):
+    """A call with out= has a cache key: out's layout is part of it, its
+    address only modulo 16 bytes."""
+    from cunorm import norm
+
+    monkeypatch.setitem(sys.modules, "cupy", SimpleNamespace(ndarray=_FakeGpuArray))
+    buf = np.zeros((3, 64, 256), np.float32)
+    x, out1, out2 = (_FakeGpuArray(b) for b in buf)
+    key = lambda out: norm._signature((x, None, None, None, out), (False, None, False, None, None))  # noqa: E731
+    assert key(out1) is not None and key(out1) == key(out2) != key(None)
+    assert key(out1) != key(_FakeGpuArray(np.zeros((64, 512), np.float32)[:, :256]))  # another row stride
+    assert key(out1) != key(_FakeGpuArray(buf.reshape(-1)[1:1 + 64 * 256].reshape(64, 256)))  # 4 bytes on
+    assert key(np.zeros((64, 256), np.float32)) is None  # numpy: not a GPU call
+
+
+@pytest.mark.parametrize("backward", [False, True])
+def test_cached_out_rechecks_overlap_as_the_first_call(backward, monkeypatch):
+    """A cached plan with out= redoes the overlap check with the first call's
+    rule and error, and takes the call's own out."""
+    from cunorm import arrays, norm
+
+    n = 64
+    buf, stats = np.zeros((65, n), np.float32), np.zeros((2, 64), np.float32)
+    w_buf = np.zeros((64, n), np.float32)
+    names = norm.BACKWARD_ARRAYS if backward else norm.FORWARD_ARRAYS
+    direction = norm._BACKWARD if backward else norm._FORWARD
+    prepare = norm._backward_prepare if backward else norm._forward_prepare
+    base = norm.call_base(rms=False, backward=backward, hidden_size=n, input_dtype="float32",
+                          output_dtype="float32", weight_dtype="float32", bias_dtype="float32",
+                          residual_dtype=None, zero_centered=False)
+
+    def args_of(out, **given):
+        given = dict(x=buf[:64], dy=np.zeros((64, n), np.float32), mean=stats[0], rstd=stats[1],
+                     weight=w_buf[0], bias=np.zeros(n, np.float32), out=out) | given
+        return {k: None if given.get(k) is None else arrays.Arg(k, _FakeGpuArray(given[k]), True) for k in names}
+
+    monkeypatch.setattr(norm, "_PLANS", {})
+    norm._plan_of("key", prepare(args_of(np.zeros((64, n), np.float32)), base), None, {}, base)
+    cached = norm._PLANS["key"][0]
+    assert cached.rows["out"].array is None
+    overlapping = [buf[1:], w_buf] + ([buf[:64], stats.reshape(-1)[:n * 2].reshape(2, n)] if backward else [])
+    for out in overlapping:
+        with pytest.raises(ValueError, match="out: shares memory with") as first:
+            prepare(args_of(out), base)
+        with pytest.raises(ValueError) as hit:
+            norm._cached_out(cached, direction, args_of(out))
+        assert str(hit.value) == str(first.value)
+    args = args_of(None)
+    args["out"] = arrays.Arg("out", args["dy" if backward else "x"].array, True)  # in place
+    p = norm._cached_out(cached, direction, args)
+    assert p.rows["out"].array is args["out"].array and cached.rows["out"].array is None

@@ -216,6 +216,101 @@ def test_out_and_in_place(rng):
         cunorm.layer_norm_backward(dy, x, mean, rstd, out=out)
 
 
+def _value_error(call) -> str:
+    with pytest.raises(ValueError) as e:
+        call()
+    return str(e.value)
+
+
+def test_out_calls_reuse_the_plan(ran, rng):
+    """A call with out= is cached like any other: another out of the same
+    layout is a cache hit, and the result lands in the new out."""
+    import cupy
+
+    from cunorm import norm
+
+    x = _buffer((300, 4097), "bfloat16", rng)
+    w = _buffer(4097, "float32", rng)
+    outs = [cupy.empty_like(x) for _ in range(3)]
+    for o in outs:
+        assert cunorm.layer_norm(x, w, w, out=o) is o
+    assert check.rel_l2(outs[0], cunorm.reference.layer_norm(x, w, w)[0]) < 8e-3
+    _, mean, rstd = cunorm.layer_norm(x, w, w, return_stats=True)
+    dy = _buffer((300, 4097), "bfloat16", rng)
+    dxs = [cupy.empty_like(x) for _ in range(3)]
+    for o in dxs:
+        assert cunorm.layer_norm_backward(dy, x, mean, rstd, w, out=o)[0] is o
+    assert check.rel_l2(dxs[0], cunorm.reference.layer_norm_backward(dy, x, mean, rstd, w)[0]) < 8e-3
+    for first, later in (outs[:2], outs[::2], dxs[:2], dxs[::2]):
+        assert cupy.array_equal(first.view(np.uint16), later.view(np.uint16))
+    assert len(ran) == len(norm._PLANS) == 3  # forward with out=, forward without, backward with out=
+
+
+def test_cached_out_overlap_is_refused(ran, rng):
+    """A cached plan still checks out= for overlap: an out of the cached layout
+    that shares memory with an input raises as on an uncached call, before
+    anything is written."""
+    import cupy
+
+    buf = _buffer((65, 1000), "float16", rng)
+    before = buf.copy()
+    x, shifted = buf[:64], buf[1:]  # shifted by one row: the layout (and 16-byte alignment) of a fresh (64, 1000)
+    fresh = lambda: cupy.empty((64, 1000), np.float16)  # noqa: E731
+
+    uncached = _value_error(lambda: cunorm.layer_norm(x, out=shifted))
+    assert uncached == "out: shares memory with x; in place, out may be exactly x (same view and dtype)"
+    cunorm.layer_norm(x, out=fresh())
+    planned = len(ran)
+    assert _value_error(lambda: cunorm.layer_norm(x, out=shifted)) == uncached
+    assert len(ran) == planned  # a cache hit
+
+    w_buf = cupy.ones(64 * 1000, np.float16)
+    w, w_out = w_buf[:1000], w_buf.reshape(64, 1000)
+    uncached = _value_error(lambda: cunorm.layer_norm(x, w, out=w_out))
+    assert uncached.startswith("out: shares memory with weight")
+    cunorm.layer_norm(x, cupy.ones(1000, np.float16), out=fresh())
+    planned = len(ran)
+    assert _value_error(lambda: cunorm.layer_norm(x, w, out=w_out)) == uncached
+    assert len(ran) == planned
+
+    _, mean, rstd = cunorm.layer_norm(x, return_stats=True)
+    dy = _buffer((64, 1000), "float16", rng)
+    uncached = _value_error(lambda: cunorm.layer_norm_backward(dy, x, mean, rstd, out=x))  # x is read, not written
+    assert uncached == "out: shares memory with x; in place, out may be exactly dy or dresidual (same view and dtype)"
+    cunorm.layer_norm_backward(dy, x, mean, rstd, out=fresh())
+    planned = len(ran)
+    assert _value_error(lambda: cunorm.layer_norm_backward(dy, x, mean, rstd, out=x)) == uncached
+    assert _value_error(lambda: cunorm.layer_norm_backward(dy, x, mean, rstd, out=shifted)) == uncached
+    assert len(ran) == planned
+    assert cupy.array_equal(buf, before)
+
+
+def test_in_place_after_caching(ran, rng):
+    """out=x (forward) and dx into dy or dresidual (backward) from a cached plan."""
+    from cunorm import norm
+
+    w = _buffer(1000, "float16", rng)
+    for _ in range(2):
+        x = _buffer((64, 1000), "float16", rng)
+        want = cunorm.reference.layer_norm(x, w, w)[0]
+        assert cunorm.layer_norm(x, w, w, out=x) is x
+        assert check.rel_l2(x, want) < 1e-3
+    x = _buffer((64, 1000), "float16", rng)
+    _, mean, rstd = cunorm.layer_norm(x, w, w, return_stats=True)
+    for _ in range(2):
+        dy = _buffer((64, 1000), "float16", rng)
+        want = cunorm.reference.layer_norm_backward(dy, x, mean, rstd, w)[0]
+        dx, _, _ = cunorm.layer_norm_backward(dy, x, mean, rstd, w, out=dy)
+        assert dx is dy and check.rel_l2(dx, want) < 1e-3
+    _, rstd = cunorm.rms_norm(x, w, return_stats=True)
+    for _ in range(2):
+        dy, dres = _buffer((64, 1000), "float16", rng), _buffer((64, 1000), "float16", rng)
+        want = cunorm.reference.rms_norm_backward(dy, x, rstd, w, dresidual=dres)[0]
+        dx, _ = cunorm.rms_norm_backward(dy, x, rstd, w, dresidual=dres, out=dres)
+        assert dx is dres and check.rel_l2(dx, want) < 1e-3
+    assert len(ran) == len(norm._PLANS) == 5  # the three in-place calls, and the two forwards with stats
+
+
 def test_gpu_bad_inputs(rng):
     import cupy
 

@@ -1,8 +1,10 @@
 """Which traits run a given normalization call.
 
-Two sources, in this order: the tuned table (knobs measured best on a GPU by
-`python -m cunorm.tune`, the literal in tuned.py; used for aligned rows without
-a residual), then a heuristic that derives legal traits for any other call.
+Two sources, in this order: the tuned tables (knobs measured best on a GPU by
+`python -m cunorm.tune`, the literals in tuned.py; used for calls without a
+residual: TUNED for aligned rows, and for general rows TUNED_GENERAL, then
+TUNED, at the aligned neighbour's size), then a heuristic that derives legal
+traits for any other call.
 Both give only the knobs; the call supplies hidden size, dtypes, flags and what
 its layout allows (`cunorm.layout.vector_widths`), and `Traits` checks the result.
 """
@@ -12,7 +14,7 @@ import math
 
 from . import dtypes
 from .traits import CLUSTER_MIN_ARCH, DEFAULT_SMEM_LIMIT, KNOBS, PREFERRED_ELTS_PER_THREAD, SMEM_LIMIT, Traits
-from .tuned import TUNED, TUNED_ARCH  # the measured table, a literal of its own
+from .tuned import TUNED, TUNED_ARCH, TUNED_GENERAL  # the measured tables, a literal of their own
 
 # Hidden sizes with tuned entries (both directions, every input dtype).
 TUNED_SIZES = (768, 1024, 1536, 2048, 2304, 3072, 3840, 4096, 5120, 6144, 8192, 10240, 12288, 12800, 14336,
@@ -30,8 +32,10 @@ STAGED_SMEM_BUDGET = 100 * 1024
 MAX_HEURISTIC_WARPS_N = {False: 16, True: 8}  # the backward holds twice the row (x and dy)
 
 
-def tuned_knobs(backward: bool, hidden_size: int, input_dtype: str):
-    return TUNED.get((backward, hidden_size, dtypes.itemsize(input_dtype)))
+def tuned_knobs(backward: bool, hidden_size: int, input_dtype: str, general: bool = False):
+    """The tuned knobs for aligned rows of `hidden_size` (general=True: for the
+    general kernel's rows whose aligned neighbour it is), or None."""
+    return (TUNED_GENERAL if general else TUNED).get((backward, hidden_size, dtypes.itemsize(input_dtype)))
 
 
 def tuned_neighbour(hidden_size: int, input_dtype: str) -> int:
@@ -70,18 +74,21 @@ def from_knobs(knobs: dict, **call) -> Traits:
 def choose(*, arch: int = CLUSTER_MIN_ARCH, **call) -> tuple:
     """(Traits, source) for a call, source being "tuned" or "heuristic". A call
     without aligned rows (odd N, offset views, odd row strides) takes the tuned
-    knobs of its aligned neighbour (N rounded down to whole 16-byte vectors)
-    when they are legal for it."""
+    knobs of its aligned neighbour (N rounded down to whole 16-byte vectors):
+    its general-rows entry, else its aligned entry, when legal for the call."""
     fields, max_vector, aligned_vector = call_fields(**call)
     n, input_dtype, backward = fields["hidden_size"], fields["input_dtype"], fields.get("backward", False)
     aligned = aligned_vector == max_vector
-    knobs = tuned_knobs(backward, tuned_neighbour(n, input_dtype), input_dtype) if arch == TUNED_ARCH else None
-    if knobs is not None and not fields.get("has_residual"):
+    tables = () if arch != TUNED_ARCH or fields.get("has_residual") else (False,) if aligned else (True, False)
+    for general in tables:
+        knobs = tuned_knobs(backward, tuned_neighbour(n, input_dtype), input_dtype, general)
+        if knobs is None:
+            continue
         try:  # a tuned shape may not suit every dtype mix, layout or GPU (registers, shared memory, clusters)
             t = from_knobs(dict(zip(KNOBS, knobs)), **call)
             if t.aligned_rows != aligned:
                 raise ValueError("the layout needs narrower loads than the tuned entry")
-            if not t.aligned_rows and t.threads_per_cta > 256:
+            if not general and not t.aligned_rows and t.threads_per_cta > 256:
                 t = t.replace(cache_weights=False)  # shifted rows take an extra vector and masks: registers
             present = [t.weight_dtype] * t.has_weight + [t.bias_dtype] * t.has_bias
             wide = max(map(dtypes.itemsize, present), default=0)

@@ -93,7 +93,9 @@ def explain(op, *args, **kwargs) -> Explanation:
         t, source = plan.resolve_traits(norm._Family, traits, p.base, arch), "caller"
     reasons = _layout_reasons(p, t)
     if source == "tuned":
-        reasons.append(f"dispatch: the tuned entry for N={dispatch.tuned_neighbour(t.hidden_size, t.input_dtype)} "
+        neighbour = dispatch.tuned_neighbour(t.hidden_size, t.input_dtype)
+        general = not t.aligned_rows and dispatch.tuned_knobs(t.backward, neighbour, t.input_dtype, general=True)
+        reasons.append(f"dispatch: the tuned entry for {'general rows beside ' if general else ''}N={neighbour} "
                        f"(sm_{dispatch.TUNED_ARCH})")
     elif source == "heuristic":
         reasons.append("dispatch: the heuristic (no tuned entry applies: other GPU, size, residual or layout)")

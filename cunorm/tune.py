@@ -135,8 +135,11 @@ def main(argv=None):
     p.add_argument("--top", type=int, default=3)
     p.add_argument("--direction", choices=["fwd", "bwd", "both"], default="both")
     p.add_argument("--rms", action="store_true", help="tune RMSNorm (default LayerNorm)")
+    p.add_argument("--warps-n", default=None, help="WARPS_N values to try (default %s)" % (SHAPES["warps_n"],))
     p.add_argument("--json", default=None, help="append the best knobs per size to this JSON-lines file")
     a = p.parse_args(argv)
+    if a.warps_n:
+        SHAPES["warps_n"] = tuple(int(v) for v in a.warps_n.split(","))
     copy = copy_bandwidth()
     e = dtypes.itemsize(a.dtype)
     for n in (int(s) for s in a.sizes.split(",")):
@@ -146,13 +149,15 @@ def main(argv=None):
             ranked = tune(n, a.dtype, backward, rms=a.rms)
             if a.json and ranked:
                 ms, best = ranked[0]
+                general = n % dtypes.vector_elements(e) != 0  # contiguous rows of N: the general kernel
                 with open(a.json, "a") as f:
-                    f.write(json.dumps({"backward": backward, "rms": a.rms, "n": n, "dtype": a.dtype, "ms": ms,
-                                        "fraction_of_copy": nbytes / (ms * 1e-3) / copy,
+                    f.write(json.dumps({"backward": backward, "rms": a.rms, "general": general, "n": n,
+                                        "dtype": a.dtype, "ms": ms, "fraction_of_copy": nbytes / (ms * 1e-3) / copy,
                                         "knobs": list(best.knobs().values())}) + "\n")
             for ms, t in ranked[:a.top]:
                 frac = nbytes / (ms * 1e-3) / copy
-                print(f"TUNE {'rms-' if a.rms else ''}{'bwd' if backward else 'fwd'} N={n} {a.dtype} {frac:.3f} of copy {ms:.4f} ms "
+                print(f"TUNE {'rms-' if a.rms else ''}{'bwd' if backward else 'fwd'} N={n} {a.dtype} {frac:.3f} of copy "
+                      f"{ms:.4f} ms "
                       f"knobs={tuple(int(v) for v in t.knobs().values())} "
                       f"ldgs={t.ldgs}",
                       flush=True)

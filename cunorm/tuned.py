@@ -63,3 +63,11 @@ TUNED: dict = {
     (False, 65536, 2): (1, 4, 8, 8, 3, 1, 1, 0),  # 0.38 of copy
     (True , 65536, 2): (1, 8, 8, 8, 1, 0, 2, 1),  # 0.40 of copy
 }
+
+# General rows (odd N, offset views, odd row strides) beside an aligned size:
+# (backward, aligned neighbour N, input element bytes) -> knobs as above,
+# measured at N + 1 (the comment's fraction is at N + 1). 2-byte inputs: H100, 2026-11-22.
+TUNED_GENERAL: dict = {
+    (True ,  4096, 2): (2, 4, 1, 16, 3, 1, 1, 0, 0),  # 0.77 of copy
+    (False, 65536, 2): (1, 6, 8, 16, 1, 0, 2, 0, 1),  # 0.37 of copy
+}

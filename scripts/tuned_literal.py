@@ -3,6 +3,8 @@
     python scripts/tuned_literal.py RESULTS.jsonl [cunorm/tuned.py] [--note "4-byte inputs: H200, <date>"]
 
 Entries for the same (direction, size, element bytes) are replaced; the rest stay.
+A result measured on general rows (N not whole 16-byte vectors) goes into
+TUNED_GENERAL under its aligned neighbour's size.
 """
 import argparse
 import json
@@ -13,9 +15,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from cunorm import dtypes  # noqa: E402
+from cunorm import dispatch, dtypes  # noqa: E402
 
 ROW = re.compile(r"^    \((True|False) *, +(\d+), (\d)\): (\([^)]*\)),  # ([0-9.]+) of copy$", re.M)
+TABLES = ("TUNED", "TUNED_GENERAL")  # in the order they appear in the module
+
+
+def table_span(text: str, name: str) -> tuple:
+    """[start, end) of the rows of `name: dict = {` ... `}` in the module text."""
+    start = text.index(f"\n{name}: dict = {{\n") + len(f"\n{name}: dict = {{\n")
+    return start, text.index("\n}", start - 1) + 1
 
 
 def main():
@@ -25,18 +34,27 @@ def main():
     p.add_argument("--note", default=None, help="a line to add to the module docstring")
     a = p.parse_args()
     text = Path(a.module).read_text()
-    rows = {(bw == "True", int(n), int(size)): (knobs, frac) for bw, n, size, knobs, frac in ROW.findall(text)}
+    tables = {}
+    for name in TABLES:
+        start, end = table_span(text, name)
+        tables[name] = {(bw == "True", int(n), int(size)): (knobs, frac)
+                        for bw, n, size, knobs, frac in ROW.findall(text[start:end])}
     for line in Path(a.results).read_text().splitlines():
         r = json.loads(line)
         knobs = tuple(int(v) if isinstance(v, bool) else v for v in r["knobs"])
-        rows[(r["backward"], r["n"], dtypes.itemsize(r["dtype"]))] = (str(knobs), f"{r['fraction_of_copy']:.2f}")
-    head = text[:text.index("TUNED: dict = {")]
+        n = dispatch.tuned_neighbour(r["n"], r["dtype"]) if r.get("general") else r["n"]
+        tables["TUNED_GENERAL" if r.get("general") else "TUNED"][(r["backward"], n, dtypes.itemsize(r["dtype"]))] = (
+            str(knobs), f"{r['fraction_of_copy']:.2f}")
     if a.note:
-        head = head.replace('"""\n\nTUNED_ARCH', f'{a.note}\n"""\n\nTUNED_ARCH')
-    body = [f"    ({str(bw):<5}, {n:>5}, {size}): {knobs},  # {frac} of copy"
-            for (bw, n, size), (knobs, frac) in sorted(rows.items(), key=lambda kv: (kv[0][2], kv[0][1], kv[0][0]))]
-    Path(a.module).write_text(head + "TUNED: dict = {\n" + "\n".join(body) + "\n}\n")
-    print(f"{a.module}: {len(rows)} entries")
+        text = text.replace('"""\n\nTUNED_ARCH', f'{a.note}\n"""\n\nTUNED_ARCH')
+    for name in reversed(TABLES):  # the later table first, so the earlier one's span stays put
+        start, end = table_span(text, name)
+        body = "".join(f"    ({str(bw):<5}, {n:>5}, {size}): {knobs},  # {frac} of copy\n"
+                       for (bw, n, size), (knobs, frac) in sorted(tables[name].items(),
+                                                                  key=lambda kv: (kv[0][2], kv[0][1], kv[0][0])))
+        text = text[:start] + body + text[end:]
+    Path(a.module).write_text(text)
+    print(f"{a.module}: " + ", ".join(f"{name} {len(tables[name])} entries" for name in TABLES))
 
 
 if __name__ == "__main__":

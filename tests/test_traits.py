@@ -1,7 +1,7 @@
 """Tier A: Traits mirror the kernels' rules; every dispatch entry is legal."""
 import pytest
 
-from cunorm import Traits, dispatch
+from cunorm import Traits, dispatch, dtypes
 from cunorm.traits import KNOBS
 
 
@@ -77,6 +77,22 @@ def test_tuned_table_entries_are_legal_for_their_dtypes():
             Traits(hidden_size=n, input_dtype=dtype, weight_dtype=dtype, output_dtype=dtype, backward=backward,
                    **dict(zip(KNOBS, knobs))).check_arch(dispatch.TUNED_ARCH)
         assert n in dispatch.TUNED_SIZES
+
+
+def test_general_tuned_entries_are_legal_and_used_beside_their_size():
+    for (backward, n, itemsize), knobs in dispatch.TUNED_GENERAL.items():
+        assert n in dispatch.TUNED_SIZES
+        for dtype in {4: ("float32",), 2: ("bfloat16", "float16")}[itemsize]:
+            for odd in (n + 1, n + dtypes.vector_elements(itemsize) - 1):  # contiguous rows of odd N: general
+                t, source = dispatch.choose(hidden_size=odd, input_dtype=dtype, weight_dtype=dtype, output_dtype=dtype,
+                                            backward=backward, aligned_vector=1)
+                assert source == "tuned" and not t.aligned_rows, (odd, dtype, backward)
+                assert tuple(t.knobs().values())[:len(knobs)] == tuple(int(v) for v in knobs)
+        # Aligned rows of N itself keep the aligned entry.
+        t, _ = dispatch.choose(hidden_size=n, input_dtype="bfloat16", weight_dtype="bfloat16",
+                               output_dtype="bfloat16", backward=backward)
+        assert t.aligned_rows and tuple(t.knobs().values())[:len(dispatch.TUNED[(backward, n, 2)])] == \
+            tuple(int(v) for v in dispatch.TUNED[(backward, n, 2)])
 
 
 @pytest.mark.parametrize("backward", [False, True])

@@ -207,4 +207,5 @@ def _extents_meet(a, b) -> bool:
 def extents_disjoint(a, others: list) -> bool:
     """Whether array `a` shares no byte range with any of `others` (a cheap
     sufficient test for check_outputs: disjoint extents never overlap)."""
-    return not any(_extents_meet(a, b) for b in others)
+    a0, a1 = _extent(a)
+    return all(b1 <= a0 or a1 <= b0 for b0, b1 in map(_extent, others))

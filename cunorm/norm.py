@@ -162,13 +162,16 @@ class _Direction:
     """What a direction's call lays out and checks its `out=` against, stated
     once for both the first call (`_prepare`) and a cached plan (`_cached_out`)."""
 
+    arrays: tuple  # a call's arrays, in signature order ("out" last)
     row_inputs: tuple  # inputs read as row tensors, x first
     weights: tuple  # weight-like inputs (vectors, statistics): read, never written
     in_place: dict  # {output name: the inputs it may be exactly}
 
 
-_FORWARD = _Direction(("x", "residual"), ("weight", "bias"), {"out": ("x",)})
-_BACKWARD = _Direction(("x", "dy", "dresidual"), ("weight", "mean", "rstd"), {"out": ("dy", "dresidual")})
+_FORWARD = _Direction(("x", "weight", "bias", "residual", "out"), ("x", "residual"), ("weight", "bias"),
+                      {"out": ("x",)})
+_BACKWARD = _Direction(("dy", "x", "mean", "rstd", "weight", "dresidual", "out"), ("x", "dy", "dresidual"),
+                       ("weight", "mean", "rstd"), {"out": ("dy", "dresidual")})
 
 
 def _check_outputs(d: _Direction, outputs: list, rows: dict, args: dict, n: int):
@@ -283,6 +286,21 @@ def _cached_args(names: tuple, values: tuple) -> dict:
     return {name: None if a is None else arrays.Arg(name, a, True) for name, a in zip(names, values)}
 
 
+def _cached_plan(d: _Direction, values: tuple, flags: tuple) -> tuple:
+    """(key, hit) of a call whose arrays are `values` (in d.arrays order):
+    its cache key, and on a hit (plan, traits, kernels, base, args) ready to
+    launch, a given `out=` checked for overlap; hit is None otherwise."""
+    key = _signature(values, flags)
+    hit = _PLANS.get(key) if key is not None else None
+    if hit is None:
+        return key, None
+    p, t, kernels, base = hit
+    args = _cached_args(d.arrays, values)
+    if args["out"] is not None:
+        p = _cached_out(p, d, args)
+    return key, (p, t, kernels, base, args)
+
+
 # -- forward ----------------------------------------------------------------------
 
 def _forward_args(rms, x, weight, bias, eps, residual, residual_dtype, zero_centered_weight, out_dtype, out):
@@ -316,23 +334,15 @@ def _forward_prepare(args, base) -> _Prepared:
     return _prepare(_FORWARD, args, outputs, base["hidden_size"], base)
 
 
-FORWARD_ARRAYS = ("x", "weight", "bias", "residual", "out")  # a call's arrays, in signature order
-
-
 def _forward(rms, x, weight, bias, eps, *, residual, residual_dtype, zero_centered_weight, return_stats, out_dtype,
              out, traits):
-    inputs = (x, weight, bias, residual, out)
-    key = _signature(inputs, (rms, residual_dtype, bool(zero_centered_weight), out_dtype, traits))
-    hit = _PLANS.get(key) if key is not None else None
+    key, hit = _cached_plan(_FORWARD, (x, weight, bias, residual, out),
+                            (rms, residual_dtype, bool(zero_centered_weight), out_dtype, traits))
     if hit is not None:
-        p, t, kernels, base = hit
-        args = _cached_args(FORWARD_ARRAYS, inputs)
-        if out is not None:
-            p = _cached_out(p, _FORWARD, args)
-        return _forward_launch(p, t, kernels, base, args, _check_eps(eps), rms, return_stats)
+        return _forward_launch(*hit, _check_eps(eps), rms, return_stats)
     args, on_gpu, base, eps = _forward_args(rms, x, weight, bias, eps, residual, residual_dtype,
                                             zero_centered_weight, out_dtype, out)
-    X, W, B, R, O = (args[k] for k in FORWARD_ARRAYS)
+    X, W, B, R, O = (args[k] for k in _FORWARD.arrays)
     zc = base["zero_centered"]
     if not on_gpu:
         h = reference.add_residual(X.array, _arr(R))
@@ -367,7 +377,7 @@ def _forward_launch(p: _Prepared, t: Traits, kernels: dict, base: dict, args: di
                     return_stats: bool):
     import cupy
 
-    X, W, B, R, O = (args[k] for k in FORWARD_ARRAYS)
+    X, W, B, R, O = (args[k] for k in _FORWARD.arrays)
     lead = tuple(X.array.shape[:-1])
     with cupy.cuda.Device(X.array.data.device_id):
         y_name = "y" if O is None else "out"
@@ -469,20 +479,12 @@ def _backward_prepare(args, base) -> _Prepared:
     return _prepare(_BACKWARD, args, {"dx" if O is None else "out": O}, base["hidden_size"], base)
 
 
-BACKWARD_ARRAYS = ("dy", "x", "mean", "rstd", "weight", "dresidual", "out")  # a call's arrays, in signature order
-
-
 def _backward(rms, dy, x, mean, rstd, weight, *, has_bias, bias_dtype, dresidual, zero_centered_weight, out,
               traits):
-    inputs = (dy, x, mean, rstd, weight, dresidual, out)
-    key = _signature(inputs, (rms, bool(has_bias), bias_dtype, bool(zero_centered_weight), traits))
-    hit = _PLANS.get(key) if key is not None else None
+    key, hit = _cached_plan(_BACKWARD, (dy, x, mean, rstd, weight, dresidual, out),
+                            (rms, bool(has_bias), bias_dtype, bool(zero_centered_weight), traits))
     if hit is not None:
-        p, t, kernels, base = hit
-        args = _cached_args(BACKWARD_ARRAYS, inputs)
-        if out is not None:
-            p = _cached_out(p, _BACKWARD, args)
-        return _backward_launch(p, t, kernels, base, args, rms)
+        return _backward_launch(*hit, rms)
     args, on_gpu, base = _backward_args(rms, dy, x, mean, rstd, weight, has_bias, bias_dtype, dresidual,
                                         zero_centered_weight, out)
     args.setdefault("mean", None)  # RMSNorm has none

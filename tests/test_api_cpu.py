@@ -178,8 +178,8 @@ def test_cached_out_rechecks_overlap_as_the_first_call(backward, monkeypatch):
     n = 64
     buf, stats = np.zeros((65, n), np.float32), np.zeros((2, 64), np.float32)
     w_buf = np.zeros((64, n), np.float32)
-    names = norm.BACKWARD_ARRAYS if backward else norm.FORWARD_ARRAYS
     direction = norm._BACKWARD if backward else norm._FORWARD
+    names = direction.arrays
     prepare = norm._backward_prepare if backward else norm._forward_prepare
     base = norm.call_base(rms=False, backward=backward, hidden_size=n, input_dtype="float32",
                           output_dtype="float32", weight_dtype="float32", bias_dtype="float32",

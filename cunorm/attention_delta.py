@@ -64,7 +64,7 @@ class DeltaTraits:
         return "attention_delta.cu"
 
     def launches(self) -> dict:
-        return {"attention_delta": (self.threads_per_cta, 0)}
+        return {"attention_delta": (self.threads_per_cta, 0, 1)}
 
     def vector_bytes(self, dtype_name: str) -> int:
         return self.elts_per_ldg * dtypes.itemsize(dtype_name)

@@ -8,8 +8,10 @@ returns the cubin with ptxas's resource report.
 """
 from __future__ import annotations
 
-import re
+import ctypes
 import functools
+import re
+import sys
 import threading
 from dataclasses import dataclass, field
 
@@ -95,6 +97,11 @@ class Kernel:
     smem: int  # dynamic shared memory bytes per CTA
     blocks_per_sm: int  # occupancy at `threads` threads and `smem` bytes per CTA
     sm_count: int
+    cluster: int  # CTAs per thread-block cluster (1: no cluster)
+    # Clusters (CTAs when cluster == 1) that run at once: a one-wave grid holds
+    # at most this many. Fewer than sm_count * blocks_per_sm / cluster where
+    # a cluster's CTAs must share one GPC and some GPC's SMs are left over.
+    resident_clusters: int
 
     def __call__(self, grid: int, args: tuple):
         self.function((grid,), (self.threads,), args, shared_mem=self.smem)
@@ -137,14 +144,16 @@ def _load(traits, device_id: int) -> dict:
         module = cupy.RawModule(code=render(traits), options=NVRTC_OPTIONS)
         sm_count = dev.attributes["MultiProcessorCount"]
         out = {}
-        for name, (threads, smem) in traits.launches().items():
+        for name, (threads, smem, cluster) in traits.launches().items():
             try:
                 fn = module.get_function(name)
             except cupy.cuda.compiler.CompileException as e:
                 raise CompileError(f"{traits.short()} failed to compile: {e}") from None
             if smem:  # static + dynamic above 48 KB must be asked for; asking is harmless below
                 fn.max_dynamic_shared_size_bytes = smem
-            out[name] = Kernel(fn, threads, smem, _blocks_per_sm(fn, threads, smem), sm_count)
+            blocks = _blocks_per_sm(fn, threads, smem)
+            resident = sm_count * blocks if cluster == 1 else _resident_clusters(fn, threads, smem, cluster, sm_count)
+            out[name] = Kernel(fn, threads, smem, blocks, sm_count, cluster, resident)
     return out
 
 
@@ -152,3 +161,28 @@ def _blocks_per_sm(fn, threads: int, smem: int) -> int:
     from cupy_backends.cuda.api import driver
 
     return max(1, driver.occupancyMaxActiveBlocksPerMultiprocessor(fn.kernel.ptr, threads, smem))
+
+
+class _LaunchConfig(ctypes.Structure):
+    """The driver's CUlaunchConfig (CUDA 12 and 13)."""
+
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("shared_mem_bytes", ctypes.c_uint),
+                ("stream", ctypes.c_void_p), ("attrs", ctypes.c_void_p), ("num_attrs", ctypes.c_uint)]
+
+
+@functools.lru_cache(maxsize=None)
+def _driver():
+    return ctypes.CDLL("libcuda.so.1" if sys.platform != "win32" else "nvcuda.dll")
+
+
+def _resident_clusters(fn, threads: int, smem: int, cluster: int, sm_count: int) -> int:
+    """cuOccupancyMaxActiveClusters (CuPy does not wrap it) for a kernel with
+    a compile-time cluster size."""
+    count = ctypes.c_int(0)
+    config = _LaunchConfig((cluster * sm_count, 1, 1), (threads, 1, 1), smem, None, None, 0)
+    status = _driver().cuOccupancyMaxActiveClusters(ctypes.byref(count), ctypes.c_void_p(fn.kernel.ptr),
+                                                     ctypes.byref(config))
+    if status != 0 or count.value < 1:
+        raise RuntimeError(f"cuOccupancyMaxActiveClusters failed (CUresult {status}, {count.value} clusters) for "
+                           f"{cluster}-CTA clusters of {threads} threads and {smem} bytes of shared memory")
+    return count.value

@@ -149,7 +149,7 @@ class _Prepared:
         rows; a multiple of the shift period (general kernel), so that every
         row of a thread sits at the same offset from a vector boundary."""
         groups = -(-self.row_count // t.rows_per_cta)
-        groups = min(groups, max(1, kernel.sm_count * kernel.blocks_per_sm // t.ctas_per_row))
+        groups = min(groups, kernel.resident_clusters)  # a row group is one cluster (of CTAS_PER_ROW CTAs)
         x = self.rows["x"]
         period = 1 if t.aligned_rows else layout.shift_period(x.ld, x.rows, t.elts_per_ldg)
         step = period // math.gcd(period, t.rows_per_cta)

@@ -190,12 +190,12 @@ class Traits:
         return 32 * (4 if self.hidden_size % 4 == 0 else 1)
 
     def launches(self) -> dict:
-        """{kernel name: (threads per CTA, dynamic shared memory bytes)} for the
-        extern "C" kernels of source_file."""
+        """{kernel name: (threads per CTA, dynamic shared memory bytes, CTAs per
+        cluster)} for the extern "C" kernels of source_file."""
         if self.backward:
-            return {"norm_bwd": (self.threads_per_cta, self.smem_bytes),
-                    "norm_bwd_finalize": (FINALIZE_WARPS * THREADS_PER_WARP, 0)}
-        return {"norm_fwd": (self.threads_per_cta, self.smem_bytes)}
+            return {"norm_bwd": (self.threads_per_cta, self.smem_bytes, self.ctas_per_row),
+                    "norm_bwd_finalize": (FINALIZE_WARPS * THREADS_PER_WARP, 0, 1)}
+        return {"norm_fwd": (self.threads_per_cta, self.smem_bytes, self.ctas_per_row)}
 
     @property
     def uses_cluster(self) -> bool:

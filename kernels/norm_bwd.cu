@@ -73,16 +73,18 @@ struct ColumnSums {
   }
 };
 
-// Sums the WARPS_M rows of a quantity's slots, in warp order, into the partial
-// row. Aligned rows share one frame: whole vectors. Shifted rows put column j
-// of warp row m at element j + shift_m of the frame: element by element.
+// Writes a quantity's slots to the partial row, summing the WARPS_M rows of a
+// CTA in warp order. A loop over slots, not unrolled over load steps: the
+// slots are in shared memory, and hoisted loads would spill. Aligned rows
+// share one frame: whole vectors. Shifted rows put column j of warp row m at
+// element j + shift_m of the frame: element by element; with one row a CTA
+// (a cluster's CTAs) only this CTA's slots, otherwise every column.
 __device__ __forceinline__ void fold_slots(const AccVec* slots, float* part, const Coords& at, const void* x,
                                            long long ldx) {
-  if constexpr (ALIGNED_ROWS) {
+  if constexpr (ALIGNED_ROWS || WARPS_M == 1) {
     for (int s = threadIdx.x; s < LDGS * THREADS_PER_ROW; s += THREADS_PER_CTA) {
-      const int it = s / THREADS_PER_ROW, tr = s % THREADS_PER_ROW;
-      const int vec = at.cta_rank * THREADS_PER_ROW + tr + it * VEC_COLS_PER_LDG;
-      if (vec >= VEC_COLS) continue;
+      const int vec = at.cta_rank * THREADS_PER_ROW + s % THREADS_PER_ROW + s / THREADS_PER_ROW * VEC_COLS_PER_LDG;
+      if (vec * ELTS_PER_LDG >= at.shift + COLS) continue;
       AccVec sum = slots[s];
 #pragma unroll
       for (int m = 1; m < WARPS_M; ++m) {
@@ -90,23 +92,28 @@ __device__ __forceinline__ void fold_slots(const AccVec* slots, float* part, con
 #pragma unroll
         for (int e = 0; e < ELTS_PER_LDG; ++e) sum.add(e, v.get(e));
       }
-      sum.store(part, vec);
+      if constexpr (ALIGNED_ROWS) {
+        sum.store(part, vec);
+      } else {
+#pragma unroll
+        for (int e = 0; e < ELTS_PER_LDG; ++e) {
+          const int j = vec * ELTS_PER_LDG + e - at.shift;
+          if (static_cast<unsigned>(j) < static_cast<unsigned>(COLS)) part[j] = sum.get(e);
+        }
+      }
     }
-  } else {
+  } else {  // one CTA a row
     const float* elts = reinterpret_cast<const float*>(slots);
     for (int j = threadIdx.x; j < COLS; j += THREADS_PER_CTA) {
       float sum = 0.f;
-      bool mine = false;
 #pragma unroll
       for (int m = 0; m < WARPS_M; ++m) {
         const int u = j + Coords::shift_of(x, ldx, at.group * ROWS_PER_CTA + m);
-        const int vec = u / ELTS_PER_LDG, rem = vec % VEC_COLS_PER_LDG;
-        if (rem / THREADS_PER_ROW != at.cta_rank) continue;  // a cluster peer holds it (WARPS_M == 1 there)
-        mine = true;
-        const int slot = (m * LDGS + vec / VEC_COLS_PER_LDG) * THREADS_PER_ROW + rem % THREADS_PER_ROW;
+        const int vec = u / ELTS_PER_LDG;
+        const int slot = (m * LDGS + vec / VEC_COLS_PER_LDG) * THREADS_PER_ROW + vec % VEC_COLS_PER_LDG;
         sum += elts[slot * ELTS_PER_LDG + u % ELTS_PER_LDG];
       }
-      if (mine) part[j] = sum;
+      part[j] = sum;
     }
   }
 }

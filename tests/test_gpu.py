@@ -141,6 +141,39 @@ def test_runs_on_current_stream(rng, monkeypatch):
     assert check.rel_l2(y, cunorm.reference.layer_norm(x)[0]) < 1e-5
 
 
+@pytest.mark.parametrize("n, knobs", [(65536, {"warps_n": 4, "ctas_per_row": 8, "stages": 3}),
+                                      (65537, {"warps_n": 6, "ctas_per_row": 8, "min_ctas_per_sm": 2}),
+                                      (16384, {"warps_n": 4, "ctas_per_row": 4, "min_ctas_per_sm": 2}),
+                                      (4096, {"warps_n": 4})])
+def test_persistent_grid_is_one_wave(n, knobs, rng, monkeypatch):
+    """A cluster's CTAs share a GPC, so fewer clusters than SMs / cluster size
+    may fit at once; a grid past the resident count runs a second wave."""
+    import cupy
+
+    from cunorm import compiler
+
+    launches = []
+    original = compiler.Kernel.__call__
+
+    def spy(self, grid, args):
+        launches.append((self, grid))
+        return original(self, grid, args)
+
+    monkeypatch.setattr(compiler.Kernel, "__call__", spy)
+    x = cupy.asarray(rng.standard_normal((2048, n)).astype(dtypes.BFLOAT16))
+    y, mean, rstd = cunorm.layer_norm(x, return_stats=True, traits=knobs)
+    dx, _, _ = cunorm.layer_norm_backward(x, x, mean, rstd, traits=knobs)
+    assert check.rel_l2(y, cunorm.reference.layer_norm(x)[0]) < 8e-3
+    assert check.rel_l2(dx, cunorm.reference.layer_norm_backward(x, x, mean, rstd)[0]) < 8e-3
+    (fwd, fwd_grid), (bwd, bwd_grid) = launches[:2]  # then the backward's finalize (not persistent)
+    for k, grid in ((fwd, fwd_grid), (bwd, bwd_grid)):
+        assert k.cluster == knobs.get("ctas_per_row", 1)
+        assert 1 <= k.resident_clusters * k.cluster <= k.sm_count * k.blocks_per_sm
+        if k.cluster == 1:
+            assert k.resident_clusters == k.sm_count * k.blocks_per_sm
+        assert grid % k.cluster == 0 and grid // k.cluster <= k.resident_clusters, (grid, k.resident_clusters)
+
+
 @pytest.mark.parametrize("knobs", [{"warps_n": 4, "stages": 3}, {"warps_n": 4, "stages": 4, "warps_m": 2},
                                    {"warps_n": 2, "ctas_per_row": 2, "stages": 3}])
 def test_many_rows_per_cta(knobs, rng):

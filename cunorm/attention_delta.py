@@ -231,7 +231,7 @@ def attention_delta(out, grad_out, *, traits=None):
         d = cupy.empty(lead, dtype=np.float32)
         kern = kernels["attention_delta"]
         tiles = -(-rows // t.rows_per_cta)
-        grid = min(tiles, kern.sm_count * kern.blocks_per_sm * 4)
+        grid = min(tiles, kern.resident_clusters * 4)  # CTAs (no cluster): four waves' worth
         kern(grid, (tensors[0], tensors[1], d, np.uint32(rows), np.uint32(sizes[1]), np.uint32(sizes[2]),
                     *(np.int64(s) for s in ost), *(np.int64(s) for s in gst)))
     return d

@@ -117,19 +117,27 @@ def test_dlpack_input_is_zero_copy(rng):
     assert check.rel_l2(y, cupy.from_dlpack(ref)) < 8e-3
 
 
-def test_runs_on_current_stream(rng, monkeypatch):
+@pytest.fixture
+def launches(monkeypatch):
+    """Every kernel launch from here on, as (Kernel, grid, stream pointer)."""
     import cupy
 
     from cunorm import compiler
 
-    launched_on = []
+    seen = []
     original = compiler.Kernel.__call__
 
     def spy(self, grid, args):
-        launched_on.append(cupy.cuda.get_current_stream().ptr)
+        seen.append((self, grid, cupy.cuda.get_current_stream().ptr))
         return original(self, grid, args)
 
     monkeypatch.setattr(compiler.Kernel, "__call__", spy)
+    return seen
+
+
+def test_runs_on_current_stream(rng, launches):
+    import cupy
+
     x = cupy.asarray(rng.standard_normal((512, 4096)).astype(np.float32))
     s = cupy.cuda.Stream(non_blocking=True)
     with s:
@@ -137,7 +145,7 @@ def test_runs_on_current_stream(rng, monkeypatch):
         cunorm.layer_norm_backward(x, x, mean, rstd)
         cunorm.attention_delta(x[:, :256], x[:, :256])  # strided rows, read in place
         s.synchronize()
-    assert launched_on and all(p == s.ptr for p in launched_on)
+    assert launches and all(p == s.ptr for _, _, p in launches)
     assert check.rel_l2(y, cunorm.reference.layer_norm(x)[0]) < 1e-5
 
 
@@ -145,27 +153,17 @@ def test_runs_on_current_stream(rng, monkeypatch):
                                       (65537, {"warps_n": 6, "ctas_per_row": 8, "min_ctas_per_sm": 2}),
                                       (16384, {"warps_n": 4, "ctas_per_row": 4, "min_ctas_per_sm": 2}),
                                       (4096, {"warps_n": 4})])
-def test_persistent_grid_is_one_wave(n, knobs, rng, monkeypatch):
+def test_persistent_grid_is_one_wave(n, knobs, rng, launches):
     """A cluster's CTAs share a GPC, so fewer clusters than SMs / cluster size
     may fit at once; a grid past the resident count runs a second wave."""
     import cupy
 
-    from cunorm import compiler
-
-    launches = []
-    original = compiler.Kernel.__call__
-
-    def spy(self, grid, args):
-        launches.append((self, grid))
-        return original(self, grid, args)
-
-    monkeypatch.setattr(compiler.Kernel, "__call__", spy)
     x = cupy.asarray(rng.standard_normal((2048, n)).astype(dtypes.BFLOAT16))
     y, mean, rstd = cunorm.layer_norm(x, return_stats=True, traits=knobs)
     dx, _, _ = cunorm.layer_norm_backward(x, x, mean, rstd, traits=knobs)
     assert check.rel_l2(y, cunorm.reference.layer_norm(x)[0]) < 8e-3
     assert check.rel_l2(dx, cunorm.reference.layer_norm_backward(x, x, mean, rstd)[0]) < 8e-3
-    (fwd, fwd_grid), (bwd, bwd_grid) = launches[:2]  # then the backward's finalize (not persistent)
+    (fwd, fwd_grid, _), (bwd, bwd_grid, _) = launches[:2]  # then the backward's finalize (not persistent)
     for k, grid in ((fwd, fwd_grid), (bwd, bwd_grid)):
         assert k.cluster == knobs.get("ctas_per_row", 1)
         assert 1 <= k.resident_clusters * k.cluster <= k.sm_count * k.blocks_per_sm

@@ -249,11 +249,15 @@ MAX_PLANS = 4096
 
 def _signature(values: tuple, flags: tuple):
     """The cache key of a call, or None when it is not cacheable (numpy or
-    DLPack inputs, a knob mapping)."""
+    DLPack inputs, knob values that are not hashable)."""
     import cupy
 
-    if isinstance(flags[-1], Mapping):  # traits= as a mapping of knobs
-        return None
+    if isinstance(flags[-1], Mapping):  # traits= as a mapping of knobs: keyed by its items
+        try:
+            flags = (*flags[:-1], frozenset(flags[-1].items()))
+            hash(flags)
+        except TypeError:
+            return None
     key = [flags]
     for a in values:
         if a is None:

@@ -169,6 +169,20 @@ def test_signature_covers_out(monkeypatch):
     assert key(np.zeros((64, 256), np.float32)) is None  # numpy: not a GPU call
 
 
+def test_signature_covers_knob_mappings(monkeypatch):
+    """traits= as a mapping of knobs is part of the cache key (in any order):
+    forced kernels are cached like dispatched ones. Unhashable knob values
+    make the call uncacheable, not an error."""
+    from cunorm import norm
+
+    monkeypatch.setitem(sys.modules, "cupy", SimpleNamespace(ndarray=_FakeGpuArray))
+    x = _FakeGpuArray(np.zeros((64, 256), np.float32))
+    key = lambda traits: norm._signature((x, None, None, None, None), (False, None, False, None, traits))  # noqa: E731
+    assert key({"warps_n": 4, "stages": 2}) == key({"stages": 2, "warps_n": 4}) is not None
+    assert key({"warps_n": 4}) != key({"warps_n": 8}) and key({"warps_n": 4}) != key(None)
+    assert key({"warps_n": [4]}) is None
+
+
 @pytest.mark.parametrize("backward", [False, True])
 def test_cached_out_rechecks_overlap_as_the_first_call(backward, monkeypatch):
     """A cached plan with out= redoes the overlap check with the first call's

@@ -19,7 +19,7 @@ MAX_THREADS_PER_CTA = 1024
 # heuristic stays within when it can (above it the compiler spills; the compile
 # tier checks every tuned entry), keyed by "holds two rows" (the backward's x
 # and dy, or the forward's fp32 residual sum beside x).
-MAX_ELTS_PER_THREAD = 64
+MAX_ELTS_PER_THREAD = 64  # the general kernel may hold one vector more (see Traits.max_elts_per_thread)
 PREFERRED_ELTS_PER_THREAD = {False: 64, True: 32}
 SMEM_LIMIT = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}  # per CTA, by arch
 DEFAULT_SMEM_LIMIT = 99 * 1024
@@ -133,6 +133,14 @@ class Traits:
         return -(-self.vec_cols // self.vec_cols_per_ldg)
 
     @property
+    def max_elts_per_thread(self) -> int:
+        """The register budget in elements. The general kernel may go one vector
+        over it: a shifted row touches one vector more than its length, and
+        without that allowance an odd size could not run its aligned
+        neighbour's launch shape (65537 beside 65536: 17 load steps, not 16)."""
+        return MAX_ELTS_PER_THREAD + (0 if self.aligned_rows else self.elts_per_ldg)
+
+    @property
     def elts_per_thread(self) -> int:
         return self.ldgs * self.elts_per_ldg
 
@@ -219,8 +227,8 @@ class Traits:
              f"load ({self.elts_per_ldg})")
         rule(self.ctas_per_row in (1, 2, 4, 8), "CTAS_PER_ROW must be 1, 2, 4 or 8 (a portable cluster)")
         rule(self.ctas_per_row == 1 or self.warps_m == 1, "several CTAs per row need WARPS_M == 1")
-        rule(self.elts_per_thread <= MAX_ELTS_PER_THREAD,
-             f"{self.elts_per_thread} elements per thread exceed the register budget of {MAX_ELTS_PER_THREAD}")
+        rule(self.elts_per_thread <= self.max_elts_per_thread,
+             f"{self.elts_per_thread} elements per thread exceed the register budget of {self.max_elts_per_thread}")
         rule(1 <= self.stages <= 8, "STAGES must be 1..8")
         rule(self.stages == 1 or all(self.elts_per_ldg * dtypes.itemsize(d) >= 4 for d in self.staged_dtypes),
              "staged rows need vectors of >= 4 bytes of every staged row tensor (cp.async moves 4-16 bytes)")

@@ -70,7 +70,8 @@ TUNED: dict = {
 # (backward, aligned neighbour N, input element bytes) -> knobs as above,
 # measured at N + 1 (the comment's fraction is at N + 1). 2-byte inputs: H100, 2026-11-22.
 TUNED_GENERAL: dict = {
-    (True ,  4096, 2): (2, 4, 1, 16, 3, 1, 1, 0, 0),  # 0.77 of copy
-    (False, 65536, 2): (1, 16, 8, 8, 2, 0, 2, 0, 1),  # 0.49 of copy
-    (True , 65536, 2): (1, 8, 8, 8, 1, 0, 2, 1, 0),  # 0.50 of copy
+    (False,  4096, 2): (1, 4, 1, 8, 2, 1, 1, 0, 1),  # 0.85 of copy
+    (True ,  4096, 2): (1, 4, 1, 8, 1, 0, 1, 1, 0),  # 0.85 of copy
+    (False, 65536, 2): (1, 16, 4, 8, 1, 0, 2, 0, 1),  # 0.66 of copy
+    (True , 65536, 2): (1, 8, 8, 8, 1, 0, 1, 1, 0),  # 0.67 of copy
 }

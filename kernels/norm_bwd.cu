@@ -154,6 +154,8 @@ norm_bwd(const output_t* dy, const input_t* x, const residual_t* dresidual,
     dys.read(stage, row, dyv, at);
     const float rs = row_ok ? rstd[row] : 0.f;
     const float mu = (RMS || !row_ok) ? 0.f : mean[row];  // xhat = (x - mu) * rs, exact even when |mu| >> std
+    mask_row(xv, at);
+    mask_row(dyv, at);
 
     float sums[SUMS] = {};
 #pragma unroll
@@ -189,7 +191,7 @@ norm_bwd(const output_t* dy, const input_t* x, const residual_t* dresidual,
 
     if (row_ok) {
       ResVec dres[LDGS];  // unused (and optimized away) without a residual
-      if constexpr (HAS_RESIDUAL) drs.read(stage, row, dres, at);
+      if constexpr (HAS_RESIDUAL) drs.read(stage, row, dres, at);  // lanes outside the row are not stored: no mask
       with_edges(at, [&](auto edges) {
 #pragma unroll
         for (int it = 0; it < LDGS; ++it) {

@@ -43,11 +43,13 @@ norm_fwd(const input_t* x, const residual_t* residual, const weight_t* __restric
   constexpr float inv_cols = 1.f / float(COLS);
   for_each_row(rows, at, [&](long long row, bool row_ok, int stage) {
     InVec v[LDGS];
+    ResVec r[LDGS];  // unused (and optimized away) without a residual
     xs.read(stage, row, v, at);
+    if constexpr (HAS_RESIDUAL) rs.read(stage, row, r, at);
+    mask_row(v, at);
     SumVec h[LDGS];  // x + residual in fp32 (optimized away without a residual)
     if constexpr (HAS_RESIDUAL) {
-      ResVec r[LDGS];
-      rs.read(stage, row, r, at);
+      mask_row(r, at);
 #pragma unroll
       for (int it = 0; it < LDGS; ++it)
 #pragma unroll

@@ -70,6 +70,16 @@ static_assert(!ZERO_CENTERED || HAS_WEIGHT, "a zero-centered weight needs a weig
 #define CN_CLUSTER_DIMS
 #endif
 
+// Whether LDG step `it` can hold a vector across a row's ends (general
+// kernel): step 0 (the head) and the step or two that can hold a row's last
+// element, which the shift moves by at most one vector. A compile-time answer
+// once loops are unrolled: an edge warp runs the aligned code at every other
+// step, so that it is barely slower than the warps it shares barriers with.
+__device__ __forceinline__ constexpr bool may_be_partial(int it) {
+  return !ALIGNED_ROWS && (it == 0 || it == (COLS - 1) / ELTS_PER_LDG / VEC_COLS_PER_LDG ||
+                           it == (COLS + ELTS_PER_LDG - 2) / ELTS_PER_LDG / VEC_COLS_PER_LDG);
+}
+
 // Where this thread sits: which row of the CTA, which column vector it starts
 // at, and the shift of its rows. The host sizes the grid so that every row a
 // thread walks has the same shift (see cunorm.layout), so the shift, the weight
@@ -101,7 +111,7 @@ struct Coords {
     if constexpr (!ALIGNED_ROWS) {
       bool mine = false;
 #pragma unroll
-      for (int it = 0; it < LDGS; ++it) mine |= in_row(it) && !full(it);
+      for (int it = 0; it < LDGS; ++it) mine |= may_be_partial(it) && in_row(it) && !full(it);
       edge = __any_sync(0xffffffffu, mine);
     }
   }
@@ -123,16 +133,30 @@ struct Coords {
     const int first = vec(it) * ELTS_PER_LDG;
     return first >= shift && first + ELTS_PER_LDG <= shift + COLS;
   }
+  // Whether LDG step `it` reaches past the row's end (general kernel).
+  __device__ __forceinline__ bool crosses_end(int it) const {
+    return (vec(it) + 1) * ELTS_PER_LDG > shift + COLS;
+  }
   // The row column of element e of LDG step `it`, and whether it is in the row.
   __device__ __forceinline__ int column(int it, int e) const { return vec(it) * ELTS_PER_LDG + e - shift; }
   __device__ __forceinline__ bool valid(int it, int e) const {
     if constexpr (ALIGNED_ROWS) return in_row(it);
     return static_cast<unsigned>(column(it, e)) < static_cast<unsigned>(COLS);
   }
-  // Where vector 0 of `row` starts: the row start moved back by the shift.
+  // The frame of `row`: this thread's vector of LDG step `it` starts
+  // from_frame(it) vectors after it. General kernel: the row start moved back
+  // by the shift, plus this thread's column, so that from_frame(it) is a
+  // compile-time offset once loops are unrolled (one 64-bit address a row,
+  // immediate offsets for every access). Aligned kernel: the row start, the
+  // column added at each access, which keeps fewer registers live in the
+  // register-capped shapes it is tuned to (the general form spills there).
   template <typename T>
   __device__ __forceinline__ T* frame(T* base, long long row, long long ld) const {
-    return base + row * ld - shift;
+    if constexpr (ALIGNED_ROWS) return base + row * ld;
+    else return base + (row * ld - shift + col * ELTS_PER_LDG);
+  }
+  __device__ __forceinline__ int from_frame(int it) const {
+    return ALIGNED_ROWS ? vec(it) : it * VEC_COLS_PER_LDG;
   }
   // Whether this thread writes per-row values (mean, rstd): one per row.
   __device__ __forceinline__ bool row_leader() const { return lane == 0 && warp_n == 0 && cta_rank == 0; }
@@ -158,41 +182,57 @@ __device__ __forceinline__ void with_edges(const Coords& at, F&& f) {
 // knows whether its warp has edges: outside edge warps, in the row is whole.
 template <bool EDGES>
 __device__ __forceinline__ bool whole(int it, const Coords& at) {
-  return EDGES ? at.full(it) : at.in_row(it);
+  return EDGES && may_be_partial(it) ? at.full(it) : at.in_row(it);
 }
 
-// Zeros the elements of LDG step `it` that lie before the row (only vector 0
-// of a shifted row has any): they were read along with the row's first chunk.
+// Zeros the lanes of this thread's vectors that lie outside the row (general
+// kernel, edge warps): RowPipe::read reads whole vectors across a row's ends.
+// Called once every read of the row has been issued, since it waits for the
+// data: an edge warp then waits for memory once, as the other warps do.
 template <typename V>
-__device__ __forceinline__ void mask_head(V& v, int it, const Coords& at) {
-  if constexpr (!ALIGNED_ROWS) {
-    if (at.edge && it == 0 && at.col == 0 && at.shift) {
+__device__ __forceinline__ void mask_row(V (&v)[LDGS], const Coords& at) {
+  if (ALIGNED_ROWS || !at.edge) return;
 #pragma unroll
-      for (int e = 0; e < V::ELTS; ++e)
-        if (e < at.shift) v.set_raw_zero(e);
-    }
+  for (int it = 0; it < LDGS; ++it) {
+    if (!may_be_partial(it) || at.full(it)) continue;
+#pragma unroll
+    for (int e = 0; e < V::ELTS; ++e)
+      if (!at.valid(it, e)) v[it].set_raw_zero(e);
   }
 }
 
-// Loads this thread's vectors of `row` (zeros past the last row or outside the
-// row): whole vectors where they lie in the row, element by element at its ends.
+// Whether a vector that crosses the end of `row` may be read whole: the
+// elements past the end, up to the vector's end (fewer than a vector), then
+// belong to the next row or the gap before it, inside the tensor. Not so for
+// the last row (or rows closer than a vector), whose end may be the end of
+// the allocation. (Bytes before a row's start, down to a vector boundary, are
+// always in the same allocation, which is aligned.)
+__device__ __forceinline__ bool tail_inside(long long row, long long ld, long long rows) {
+  return row + 1 < rows && ld >= ELTS_PER_LDG;
+}
+
+// Loads this thread's vectors of `row` (zeros past the last row; lanes
+// outside the row hold what lies there until mask_row). Whole vectors, also
+// across the row's ends; element by element only at the end of the last row.
 template <typename T>
 __device__ __forceinline__ void load_row(Vec<T, ELTS_PER_LDG> (&v)[LDGS], const T* base, long long row,
                                          long long ld, long long rows, const Coords& at) {
   const bool row_ok = row < rows;
+  const bool tail_ok = tail_inside(row, ld, rows);
   const T* f = at.frame(base, row, ld);
   with_edges(at, [&](auto edges) {
     constexpr bool EDGES = decltype(edges)::value;
 #pragma unroll
     for (int it = 0; it < LDGS; ++it) {
-      if (row_ok && whole<EDGES>(it, at)) {
-        v[it].load(f, at.vec(it));
+      const bool gather = EDGES && may_be_partial(it) && !tail_ok && at.crosses_end(it);
+      if (row_ok && at.in_row(it) && !gather) {
+        v[it].load(f, at.from_frame(it));
       } else {
         v[it].zero();
-        if (EDGES && row_ok && at.in_row(it)) {
+        if (gather && row_ok) {
 #pragma unroll
           for (int e = 0; e < ELTS_PER_LDG; ++e)
-            if (at.valid(it, e)) v[it].set_raw(e, f[static_cast<long long>(at.vec(it)) * ELTS_PER_LDG + e]);
+            if (at.valid(it, e)) v[it].set_raw(e, f[at.from_frame(it) * ELTS_PER_LDG + e]);
         }
       }
     }
@@ -205,11 +245,11 @@ __device__ __forceinline__ void load_row(Vec<T, ELTS_PER_LDG> (&v)[LDGS], const 
 template <bool EDGES, typename T>
 __device__ __forceinline__ void store_vec(const Vec<T, ELTS_PER_LDG>& v, T* f, int it, const Coords& at) {
   if (whole<EDGES>(it, at)) {
-    v.store(f, at.vec(it));
+    v.store(f, at.from_frame(it));
   } else if (EDGES && at.in_row(it)) {
 #pragma unroll
     for (int e = 0; e < ELTS_PER_LDG; ++e)
-      if (at.valid(it, e)) f[static_cast<long long>(at.vec(it)) * ELTS_PER_LDG + e] = v.raw_elt(e);
+      if (at.valid(it, e)) f[at.from_frame(it) * ELTS_PER_LDG + e] = v.raw_elt(e);
   }
 }
 
@@ -224,12 +264,12 @@ constexpr int PIPE_SLOTS = STAGES > 1 ? STAGES * STAGE_SLOTS : 0;
 // when not ACTIVE: an absent residual). Each thread copies exactly the vectors
 // it later reads itself, so stages need no barrier: a thread waits only for
 // its own copies. With STAGES == 1 rows are loaded straight into registers
-// when read. A shifted row's first chunk is copied whole (the bytes before the
-// row lie in the same allocation, which is aligned; they are masked after
-// reading) and its last chunks up to the row's end (cp.async fills the rest
-// with zeros). A zero-filling cp.async still counts as a whole-chunk access,
-// which the next row's bytes cover, except past the last row (or rows that
-// overlap): there the partial chunk is copied element by element.
+// when read. A shifted row's ends are copied as whole chunks (the bytes
+// before the row lie in the same allocation, which is aligned; those past it
+// in the next row: see tail_inside) and masked after reading (mask_row). The
+// last row's end is copied exactly: up to the row's end, cp.async filling the
+// rest with zeros, and a chunk that the row ends inside element by element (a
+// zero-filling cp.async still counts as a whole-chunk access).
 template <typename T, bool ACTIVE = true>
 struct RowPipe {
   using V = Vec<T, ELTS_PER_LDG>;
@@ -251,49 +291,42 @@ struct RowPipe {
       static_assert(V::CHUNK_BYTES >= 4, "cp.async moves 4-16 bytes: staged vectors need >= 4 bytes");
       constexpr int CHUNK_ELTS = V::CHUNK_BYTES / int(sizeof(T));
       const bool row_ok = row < rows;
+      const bool tail_ok = tail_inside(row, ld, rows);
       const T* f = at.frame(base, row, ld);
       with_edges(at, [&](auto edges) {
         constexpr bool EDGES = decltype(edges)::value;
 #pragma unroll
         for (int it = 0; it < LDGS; ++it) {
           V* dst = slots + stage * STAGE_SLOTS + it * THREADS_PER_ROW;
-          const int first = at.vec(it) * ELTS_PER_LDG;
 #pragma unroll
           for (int c = 0; c < V::CHUNKS; ++c) {
-            int n = 0;  // bytes of this chunk to copy
-            if (row_ok && at.in_row(it)) {
-              if constexpr (!EDGES) {
-                n = V::CHUNK_BYTES;
-              } else {
-                const int chunk_first = first + c * CHUNK_ELTS;
-                const int end = at.shift + COLS - chunk_first;  // row elements from the chunk's start on
-                n = chunk_first + CHUNK_ELTS <= at.shift || end <= 0
-                        ? 0 : (end >= CHUNK_ELTS ? CHUNK_ELTS : end) * int(sizeof(T));
-                if (n && end < CHUNK_ELTS && (row == rows - 1 || ld * int(sizeof(T)) < V::CHUNK_BYTES)) {
+            int n = row_ok && at.in_row(it) ? V::CHUNK_BYTES : 0;  // bytes of this chunk to copy
+            if (EDGES && may_be_partial(it) && n && !tail_ok) {  // the last row's ends: exactly the row
+              const int chunk_first = at.vec(it) * ELTS_PER_LDG + c * CHUNK_ELTS;
+              const int end = at.shift + COLS - chunk_first;  // row elements from the chunk's start on
+              n = end <= 0 ? 0 : (end >= CHUNK_ELTS ? CHUNK_ELTS : end) * int(sizeof(T));
+              if (n && end < CHUNK_ELTS) {
 #pragma unroll
-                  for (int e = 0; e < CHUNK_ELTS; ++e) {
-                    const int u = chunk_first + e;
-                    dst->elts[c * CHUNK_ELTS + e] = u >= at.shift && u < at.shift + COLS ? f[u] : T{};
-                  }
-                  continue;
+                for (int e = 0; e < CHUNK_ELTS; ++e) {
+                  const int at_f = at.from_frame(it) * ELTS_PER_LDG + c * CHUNK_ELTS + e;  // from f
+                  dst->elts[c * CHUNK_ELTS + e] = chunk_first + e < at.shift + COLS ? f[at_f] : T{};
                 }
+                continue;
               }
             }
-            const T* src = n ? f + first + c * CHUNK_ELTS : base;
+            const T* src = n ? f + at.from_frame(it) * ELTS_PER_LDG + c * CHUNK_ELTS : base;
             cp_async_zfill<V::CHUNK_BYTES>(&dst->raw[c], src, n);
           }
         }
       });
     }
   }
-  // This thread's vectors of `row`, which `stage` holds (once its copies landed).
+  // This thread's vectors of `row`, which `stage` holds (once its copies
+  // landed); lanes outside the row are zeroed by mask_row, not here.
   __device__ __forceinline__ void read(int stage, long long row, V (&v)[LDGS], const Coords& at) const {
     if constexpr (STAGES > 1) {
 #pragma unroll
-      for (int it = 0; it < LDGS; ++it) {
-        v[it] = slots[stage * STAGE_SLOTS + it * THREADS_PER_ROW];
-        mask_head(v[it], it, at);
-      }
+      for (int it = 0; it < LDGS; ++it) v[it] = slots[stage * STAGE_SLOTS + it * THREADS_PER_ROW];
     } else {
       load_row(v, base, row, ld, rows, at);
     }

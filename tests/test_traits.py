@@ -36,6 +36,19 @@ def test_illegal_traits_name_the_rule(changes, rule):
         Traits(**{**base, **changes})
 
 
+def test_general_rows_may_hold_one_vector_more():
+    """A shifted row touches one vector more than its length: the general
+    kernel's budget is one vector larger, so that 65537 runs 65536's shape."""
+    shape = dict(hidden_size=65537, input_dtype="bfloat16", warps_n=4, ctas_per_row=8, bytes_per_ldg=8)
+    general = Traits(**shape, aligned_rows=False)
+    assert general.ldgs == 17 and general.elts_per_thread == 68 == general.max_elts_per_thread
+    assert Traits(**{**shape, "hidden_size": 65536}).elts_per_thread == 64
+    with pytest.raises(ValueError, match="register budget of 64"):
+        Traits(**{**shape, "hidden_size": 65536 + 1024 * 4})  # 17 aligned steps: over the budget
+    with pytest.raises(ValueError, match="register budget of 68"):
+        Traits(**{**shape, "hidden_size": 65536 + 1024 * 4 + 1}, aligned_rows=False)
+
+
 def test_unsupported_dtype_is_rejected():
     with pytest.raises(ValueError, match="unsupported dtype"):
         Traits(hidden_size=1024, input_dtype="float64")

@@ -191,13 +191,15 @@ __device__ __forceinline__ bool whole(int it, const Coords& at) {
 // data: an edge warp then waits for memory once, as the other warps do.
 template <typename V>
 __device__ __forceinline__ void mask_row(V (&v)[LDGS], const Coords& at) {
-  if (ALIGNED_ROWS || !at.edge) return;
+  if constexpr (!ALIGNED_ROWS) {
+    if (!at.edge) return;
 #pragma unroll
-  for (int it = 0; it < LDGS; ++it) {
-    if (!may_be_partial(it) || at.full(it)) continue;
+    for (int it = 0; it < LDGS; ++it) {
+      if (!may_be_partial(it) || at.full(it)) continue;
 #pragma unroll
-    for (int e = 0; e < V::ELTS; ++e)
-      if (!at.valid(it, e)) v[it].set_raw_zero(e);
+      for (int e = 0; e < V::ELTS; ++e)
+        if (!at.valid(it, e)) v[it].set_raw_zero(e);
+    }
   }
 }
 

@@ -8,12 +8,13 @@ compares each output with the float64 reference by relative L2 error.
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from . import dispatch, dtypes, reference
+from . import dispatch, dtypes, pairwise, reference
 
 # Relative L2 error allowed for outputs written in each dtype.
 TOLERANCE = {"float32": 1e-5, "float16": 1e-3, "bfloat16": 8e-3}
@@ -26,7 +27,7 @@ HEURISTIC_SAMPLE = (8, 40, 200, 1000, 1160, 4104, 7168)
 DELTA_HEAD_DIMS = (1, 3, 8, 63, 64, 80, 96, 128, 192, 256, 512)
 NORM_OPS = ("layer_norm", "layer_norm_backward", "rms_norm", "rms_norm_backward")
 OPS = NORM_OPS + ("attention_delta",)
-SWEEPS = ("tuned", "general", "flags")
+SWEEPS = ("tuned", "general", "flags", "pairwise")
 # Row layouts of x, residual, dy and dresidual: "contiguous", "offset:K" (a view
 # K elements into its buffer), "stride:+D" (rows D elements apart beyond N).
 LAYOUTS = ("contiguous",) + tuple(f"offset:{k}" for k in range(1, 8)) + ("stride:+13", "stride:+64")
@@ -39,8 +40,14 @@ class Case:
     dtype the dtype of `out` and weight_dtype that of `grad_out`. For the norms:
     dtype is x's, out_dtype y's (forward) or dy's (backward; default: dtype),
     bias_dtype defaults to weight_dtype, residual_dtype (None: no residual) is
-    the residual's (forward) or dresidual's (backward), in_place writes y over
-    x (forward) or dx over dy (backward)."""
+    the residual's (forward) or dresidual's (backward), residual_out_dtype
+    (forward) that of residual_out (default: residual_dtype), in_place writes y
+    over x (forward) or dx over dy (backward).
+
+    Layouts, one per tensor: `layout` is x's; residual_layout (the residual or
+    dresidual) and dy_layout default to it; out_layout None lets the op
+    allocate y (dx), else `out=` is given in that layout; bias_layout defaults
+    to weight_layout."""
 
     op: str  # one of OPS
     hidden_size: int
@@ -52,10 +59,15 @@ class Case:
     bias_dtype: str | None = None
     out_dtype: str | None = None
     residual_dtype: str | None = None
+    residual_out_dtype: str | None = None
     zero_centered: bool = False
     layout: str = "contiguous"
     weight_layout: str = "contiguous"
     in_place: bool = False
+    residual_layout: str | None = None
+    dy_layout: str | None = None
+    out_layout: str | None = None
+    bias_layout: str | None = None
 
     def label(self) -> str:
         if self.op == "attention_delta":
@@ -64,8 +76,14 @@ class Case:
                   (f"b={self.bias_dtype}", self.bias_dtype not in (None, self.weight_dtype)),
                   (f"out={self.out_dtype}", self.out_dtype not in (None, self.dtype)),
                   (f"residual={self.residual_dtype}", self.residual_dtype is not None),
+                  (f"residual_out={self.residual_out_dtype}",
+                   self.residual_out_dtype not in (None, self.residual_dtype)),
                   ("zero-centered", self.zero_centered), (self.layout, self.layout != "contiguous"),
+                  (f"residual@{self.residual_layout}", self.residual_layout not in (None, self.layout)),
+                  (f"dy@{self.dy_layout}", self.dy_layout not in (None, self.layout)),
+                  (f"out@{self.out_layout}", self.out_layout is not None),
                   (f"weight={self.weight_layout}", self.weight_layout != "contiguous"),
+                  (f"bias@{self.bias_layout}", self.bias_layout not in (None, self.weight_layout)),
                   ("in-place", self.in_place)]
         flags = "".join(f" {text}" for text, on in extras if on)
         return f"{self.op} N={self.hidden_size} M={self.rows} x={self.dtype} w={self.weight_dtype}{flags}"
@@ -77,6 +95,11 @@ class Case:
     @property
     def backward(self) -> bool:
         return self.op.endswith("_backward")
+
+    def layout_of(self, tensor: str) -> str | None:
+        """The layout of row tensor `tensor` ("x", "residual", "dy", "out")."""
+        return {"x": self.layout, "residual": self.residual_layout or self.layout,
+                "dy": self.dy_layout or self.layout, "out": self.out_layout}[tensor]
 
 
 @dataclass(frozen=True)
@@ -202,12 +225,67 @@ def flag_cases(sizes=None, rows=(37,), dtypes_=dtypes.NAMES) -> list:
     return cases
 
 
+PAIRWISE_SIZES = (1024, 4097)  # aligned rows, general rows
+PAIRWISE_LAYOUTS = ("contiguous", "offset:3", "stride:+13", "stride:+64")
+OUT_LAYOUTS = (None, "contiguous", "offset:1", "stride:+8")  # None: the op allocates
+
+
+def pairwise_factors(op: str, sizes=None, dtypes_=dtypes.NAMES) -> tuple:
+    """(factors, off) of the pairwise sweep of a norm op: every tensor's dtype
+    (None: absent), layout and flag is its own factor."""
+    rms, backward = op.startswith("rms"), op.endswith("_backward")
+    d = tuple(dtypes_)
+    f = {"n": tuple(sizes or PAIRWISE_SIZES), "x": d, "weight": (None,) + d, "residual": (None,) + d,
+         "x_layout": PAIRWISE_LAYOUTS, "residual_layout": PAIRWISE_LAYOUTS, "out_layout": OUT_LAYOUTS,
+         "weight_layout": WEIGHT_LAYOUTS, "zero_centered": (False, True)}
+    if backward:
+        f.update(dy=d, dy_layout=PAIRWISE_LAYOUTS)
+    else:
+        f.update(out=d, residual_out=d)
+    if not rms:
+        f.update(bias=(None,) + d, bias_layout=WEIGHT_LAYOUTS)
+    off = {("residual", None): ("residual_out", "residual_layout"), ("weight", None): ("zero_centered", "weight_layout"),
+           ("bias", None): ("bias_layout",)}
+    return f, off
+
+
+@functools.lru_cache(maxsize=None)
+def _pairwise_rows(op: str, sizes: tuple | None, dtypes_: tuple) -> tuple:
+    factors, off = pairwise_factors(op, sizes, dtypes_)
+    return tuple(pairwise.covering_array(factors, off))
+
+
+def pairwise_cases(sizes=None, rows=(37,), dtypes_=dtypes.NAMES, ops=NORM_OPS) -> list:
+    """Issue-12 coverage: for each norm op, a pairwise covering array over the
+    dtype of every tensor of a call (x, weight, bias, residual, residual_out,
+    y / dy, dresidual; dx follows x), the layout of every row tensor (x,
+    residual, dy, a given `out=`), the weight and bias layouts and the
+    zero-centered flag, at aligned and general hidden sizes."""
+    cases = []
+    for op in ops:
+        if op not in NORM_OPS:
+            continue
+        rms, backward = op.startswith("rms"), op.endswith("_backward")
+        for row, m in itertools.product(_pairwise_rows(op, tuple(sizes) if sizes else None, tuple(dtypes_)), rows):
+            w, b, r = row["weight"], row.get("bias"), row["residual"]
+            cases.append(Case(op, row["n"], m, row["x"], w or "float32", has_weight=w is not None,
+                              has_bias=b is not None, bias_dtype=b, out_dtype=row["dy" if backward else "out"],
+                              residual_dtype=r, residual_out_dtype=None if backward or r is None
+                              else row["residual_out"],
+                              zero_centered=bool(w is not None and row["zero_centered"]), layout=row["x_layout"],
+                              weight_layout=row["weight_layout"],
+                              residual_layout=row["residual_layout"] if r is not None else None,
+                              dy_layout=row.get("dy_layout"), out_layout=row["out_layout"],
+                              bias_layout=row.get("bias_layout") if b is not None else None))
+    return cases
+
+
 def default_cases(sizes=None, rows=DEFAULT_ROWS, dtypes_=dtypes.NAMES, ops=OPS, heuristic=True,
                   sweeps=SWEEPS) -> list:
     """The "tuned" sweep: tuned sizes (plus a heuristic sample) x dtypes x
     {input-dtype, fp32} weights x rows for LayerNorm and RMSNorm; attention_delta:
     head dims x every (out, grad_out) dtype pair x rows. "general" and "flags"
-    add general_cases and flag_cases (at 37 rows). `sizes` replaces every size
+    add general_cases and flag_cases (at 37 rows), "pairwise" pairwise_cases. `sizes` replaces every size
     list; `ops` filters."""
     ln_sizes = tuple(sizes) if sizes else dispatch.TUNED_SIZES + (HEURISTIC_SAMPLE if heuristic else ())
     cases = []
@@ -225,6 +303,8 @@ def default_cases(sizes=None, rows=DEFAULT_ROWS, dtypes_=dtypes.NAMES, ops=OPS, 
         cases += [c for c in general_cases(sizes, dtypes_=dtypes_) if c.op in ops]
     if "flags" in sweeps:
         cases += [c for c in flag_cases(sizes, dtypes_=dtypes_) if c.op in ops]
+    if "pairwise" in sweeps:
+        cases += pairwise_cases(sizes, dtypes_=dtypes_, ops=ops)
     return list(dict.fromkeys(cases))
 
 
@@ -245,26 +325,38 @@ def delta_inputs(gen, rows: int, k: int, out_dtype: str, grad_dtype: str):
     return o.astype(dtypes.numpy_dtype(out_dtype)), go.astype(dtypes.numpy_dtype(grad_dtype))
 
 
+def _layout_rows(name: str, layout_name: str, rows: int, n: int):
+    """The row view (no array) of a tensor in checker layout `layout_name`."""
+    from . import layout
+
+    kind, _, k = layout_name.partition(":")
+    offset, ld = (int(k), n) if kind == "offset" else (0, n + int(k)) if kind == "stride" else (0, n)
+    return layout.Rows(name, None, rows, ld, offset)
+
+
 def case_call(case: Case) -> dict:
     """The dispatch call a norm case makes, derived without a GPU: the case's
-    dtypes and flags, and the vector widths its layout allows (the row tensors
-    in the case's layout beside fresh, contiguous outputs)."""
+    dtypes and flags, and the vector widths its layout allows (each row tensor
+    in its own layout, beside fresh, contiguous outputs)."""
     from . import layout, norm
 
     n, m = case.hidden_size, case.rows
+    res = case.residual_dtype
     base = norm.call_base(rms=case.rms, backward=case.backward, hidden_size=n, input_dtype=case.dtype,
                           output_dtype=case.out_dtype or case.dtype,
                           weight_dtype=case.weight_dtype if case.has_weight else None,
                           bias_dtype=(case.bias_dtype or case.weight_dtype) if case.has_bias and not case.rms
                           else None,
-                          residual_dtype=case.residual_dtype, zero_centered=case.zero_centered)
-    kind, _, k = case.layout.partition(":")
-    offset, ld = (int(k), n) if kind == "offset" else (0, n + int(k)) if kind == "stride" else (0, n)
-    inputs = 2 + (case.residual_dtype is not None) if case.backward else 1 + (case.residual_dtype is not None)
-    rows = [layout.Rows(f"in{i}", None, m, ld, offset) for i in range(inputs)]
-    outputs = 1 + (case.residual_dtype is not None and not case.backward) - case.in_place
+                          residual_dtype=res, residual_out_dtype=None if case.backward else case.residual_out_dtype,
+                          zero_centered=case.zero_centered)
+    inputs = ["x"] + (["dy"] if case.backward else []) + (["residual"] if res is not None else [])
+    rows = [_layout_rows(t, case.layout_of(t), m, n) for t in inputs]
     mirrored = layout.mirrored_offset(rows[0], dtypes.itemsize(case.dtype))
-    rows += [layout.fresh_rows(f"out{i}", m, n, mirrored) for i in range(outputs)]
+    if not case.in_place:
+        given = case.layout_of("out")
+        rows.append(layout.fresh_rows("out", m, n, mirrored) if given is None else _layout_rows("out", given, m, n))
+    if res is not None and not case.backward:
+        rows.append(layout.fresh_rows("residual_out", m, n, mirrored))
     max_vector, aligned_vector = layout.vector_widths(rows, n, dtypes.itemsize(case.dtype))
     return dict(base, max_vector=max_vector, aligned_vector=aligned_vector)
 
@@ -324,12 +416,24 @@ def _inputs(case: Case, rng):
                        (1.0 + 0.5 * g.standard_normal(n, dtype="float32")) * (0.5 if case.zero_centered else 1.0))
          if case.has_weight else None)
     bdt = case.bias_dtype or case.weight_dtype
-    b = (weight_vector(n, bdt, case.weight_layout, 0.5 * g.standard_normal(n, dtype="float32"))
+    b = (weight_vector(n, bdt, case.bias_layout or case.weight_layout, 0.5 * g.standard_normal(n, dtype="float32"))
          if case.has_bias and not case.rms else None)
     r = None
     if case.residual_dtype is not None and not case.backward:
-        r = row_tensor(g, m, n, case.residual_dtype, case.layout, g.standard_normal((m, n), dtype="float32"))
+        r = row_tensor(g, m, n, case.residual_dtype, case.layout_of("residual"),
+                       g.standard_normal((m, n), dtype="float32"))
     return x, w, b, r
+
+
+def _given_out(case: Case, dtype: str):
+    """The `out=` a case passes when it names an out_layout: NaN everywhere, so
+    an element the op leaves unwritten cannot pass."""
+    import cupy
+
+    if case.out_layout is None:
+        return None
+    m, n = case.rows, case.hidden_size
+    return row_tensor(None, m, n, dtype, case.out_layout, cupy.full((m, n), np.nan, dtype=np.float32))
 
 
 def case_kernels(cases, arch: int):
@@ -409,7 +513,9 @@ def _run_forward(case: Case, rng) -> list:
         y_ref, mean_ref, rstd_ref = reference.layer_norm(h, w, b, eps, zero_centered_weight=zc)
         stats_ref = [("mean", mean_ref), ("rstd", rstd_ref)]
     kwargs = dict(residual=r, zero_centered_weight=zc, return_stats=True, out_dtype=case.out_dtype,
-                  out=x if case.in_place else None)
+                  out=x if case.in_place else _given_out(case, case.out_dtype or case.dtype))
+    if r is not None and case.residual_out_dtype is not None:
+        kwargs["residual_dtype"] = case.residual_out_dtype
     with poisoned_allocations():
         got = rms_norm(x, w, eps, **kwargs) if case.rms else layer_norm(x, w, b, eps, **kwargs)
     got = list(got)
@@ -417,8 +523,14 @@ def _run_forward(case: Case, rng) -> list:
     results = [Result(case, "y", rel_l2(y, y_ref), TOLERANCE[case.out_dtype or case.dtype])]
     if case.in_place and y is not x:
         results.append(Result(case, "y is x", float("inf"), 0.0))
+    if kwargs["out"] is not None and y is not kwargs["out"]:
+        results.append(Result(case, "y is out", float("inf"), 0.0))
     if r is not None:
-        results.append(Result(case, "residual_out", rel_l2(got.pop(0), h), TOLERANCE[case.residual_dtype]))
+        ro_dtype = case.residual_out_dtype or case.residual_dtype
+        ro = got.pop(0)
+        results.append(Result(case, "residual_out", rel_l2(ro, h), TOLERANCE[ro_dtype]))
+        if dtypes.name_of(ro.dtype) != ro_dtype:
+            results.append(Result(case, f"residual_out dtype {ro.dtype}", float("inf"), 0.0))
     for (name, ref), value in zip(stats_ref, got):
         results.append(Result(case, name, rel_l2(value, ref), TOLERANCE["float32"]))
     return results
@@ -443,13 +555,15 @@ def _run_backward(case: Case, rng) -> list:
     x, w, _, _ = _inputs(case, rng)
     g = _gpu_rng(rng)
     m, n = case.rows, case.hidden_size
-    dy = row_tensor(g, m, n, case.out_dtype or case.dtype, case.layout, g.standard_normal((m, n), dtype="float32"))
+    dy = row_tensor(g, m, n, case.out_dtype or case.dtype, case.layout_of("dy"),
+                    g.standard_normal((m, n), dtype="float32"))
     dres = None
     if case.residual_dtype is not None:
-        dres = row_tensor(g, m, n, case.residual_dtype, case.layout, g.standard_normal((m, n), dtype="float32"))
+        dres = row_tensor(g, m, n, case.residual_dtype, case.layout_of("residual"),
+                          g.standard_normal((m, n), dtype="float32"))
     zc = case.zero_centered
     eps = 1e-5
-    kwargs = dict(dresidual=dres, zero_centered_weight=zc, out=dy if case.in_place else None)
+    kwargs = dict(dresidual=dres, zero_centered_weight=zc, out=dy if case.in_place else _given_out(case, case.dtype))
     if case.rms:
         _, rstd = reference.rms_norm(x, w, eps, zero_centered_weight=zc)
         rstd = cupy.asarray(rstd, dtype=np.float32)
@@ -479,4 +593,6 @@ def _run_backward(case: Case, rng) -> list:
         results.append(Result(case, name, rel_l2(value, ref, dx_scale if name == "dx" else 0.0), tol[name]))
     if case.in_place and got[0] is not dy:
         results.append(Result(case, "dx is dy", float("inf"), 0.0))
+    if kwargs["out"] is not None and got[0] is not kwargs["out"]:
+        results.append(Result(case, "dx is out", float("inf"), 0.0))
     return results

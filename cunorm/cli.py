@@ -62,10 +62,11 @@ def main():
 @click.option("--dtypes", "dtype_names", callback=_csv(_dtype_list), help="Input dtypes: fp32,fp16,bf16 (default all).")
 @click.option("--op", "ops", type=click.Choice(list(OP_NAMES)), multiple=True,
               help="Only these ops (repeatable): LayerNorm fwd/bwd, RMSNorm rms/rms-bwd, attention delta.")
-@click.option("--sweep", "sweeps", type=click.Choice(["tuned", "general", "flags"]), multiple=True,
+@click.option("--sweep", "sweeps", type=click.Choice(["tuned", "general", "flags", "pairwise"]), multiple=True,
               help="Only these sweeps (repeatable; default all): tuned (the dispatch table and a heuristic "
                    "sample), general (any N, row layouts, weight layouts, dtype mixes, in place), flags "
-                   "(RMSNorm, residual, zero-centered weights).")
+                   "(RMSNorm, residual, zero-centered weights), pairwise (every tensor's dtype and layout "
+                   "drawn independently, all pairs covered).")
 @click.option("--seed", type=int, default=None, help="Random seed (default: fresh).")
 @click.option("--compile-only", is_flag=True, help="Compile every variant with NVRTC (no GPU) and report "
               "registers and spills.")

@@ -111,12 +111,18 @@ def _out_dtype(out, out_dtype, default: str, what: str) -> str:
 
 def call_base(*, rms: bool, backward: bool, hidden_size: int, input_dtype: str, output_dtype: str,
               weight_dtype: str | None, bias_dtype: str | None, residual_dtype: str | None,
-              zero_centered: bool) -> dict:
-    """The dispatch fields of a call (absent arguments: None dtypes)."""
+              zero_centered: bool, residual_out_dtype: str | None = None) -> dict:
+    """The dispatch fields of a call (absent arguments: None dtypes). The
+    residual read (forward) or dresidual (backward) and the residual_out
+    written (forward only) are two tensors with a dtype each: residual_out
+    defaults to the residual's dtype."""
+    if residual_out_dtype is not None and (backward or residual_dtype is None):
+        raise ValueError("residual_out_dtype: only a forward call with a residual writes residual_out")
     return dict(hidden_size=hidden_size, input_dtype=input_dtype, output_dtype=output_dtype,
                 weight_dtype=weight_dtype or ABSENT_DTYPE, bias_dtype=bias_dtype or ABSENT_DTYPE,
                 residual_dtype=residual_dtype or ABSENT_DTYPE,
-                residual_out_dtype=(residual_dtype or ABSENT_DTYPE) if not backward else ABSENT_DTYPE,
+                residual_out_dtype=ABSENT_DTYPE if backward else (residual_out_dtype or residual_dtype
+                                                                  or ABSENT_DTYPE),
                 has_weight=weight_dtype is not None, has_bias=bias_dtype is not None, rms=rms,
                 has_residual=residual_dtype is not None, zero_centered=zero_centered, backward=backward)
 
@@ -319,13 +325,14 @@ def _forward_args(rms, x, weight, bias, eps, residual, residual_dtype, zero_cent
         arrays.check_shape(R, X.array.shape, "x's shape")
     elif residual_dtype is not None:
         raise ValueError("residual_dtype: given without a residual")
-    res_dtype = _dtype_arg("residual_dtype", residual_dtype, R.dtype_name if R is not None else ABSENT_DTYPE)
+    res_dtype = R.dtype_name if R is not None else None  # the residual as read
+    res_out_dtype = _dtype_arg("residual_dtype", residual_dtype, res_dtype)  # residual_out as written
     if O is not None:
         arrays.check_shape(O, X.array.shape, "x's shape")
     y_dtype = _out_dtype(O, out_dtype, x_dtype, "")
     base = call_base(rms=rms, backward=False, hidden_size=n, input_dtype=x_dtype, output_dtype=y_dtype,
                      weight_dtype=w_dtype if W is not None else None, bias_dtype=b_dtype if B is not None else None,
-                     residual_dtype=res_dtype if R is not None else None,
+                     residual_dtype=res_dtype, residual_out_dtype=res_out_dtype,
                      zero_centered=_zero_centered(zero_centered_weight, W))
     return args, on_gpu, base, _check_eps(eps)
 

@@ -262,6 +262,9 @@ class Traits:
         flags = "".join(f" {name}" for name, on in (("rms", self.rms), ("residual", self.has_residual),
                                                      ("zero-centered", self.zero_centered),
                                                      ("general", not self.aligned_rows)) if on)
+        if self.has_residual:  # the residual read and residual_out written: two tensors, a dtype each
+            flags += (f" dresidual={self.residual_dtype}" if self.backward else
+                      f" residual={self.residual_dtype}->{self.residual_out_dtype}")
         return (f"N={self.hidden_size} {self.input_dtype}/{self.weight_dtype}->{self.output_dtype}{flags} "
                 f"WARPS_M={self.warps_m} WARPS_N={self.warps_n} CTAS_PER_ROW={self.ctas_per_row} "
                 f"BYTES_PER_LDG={self.bytes_per_ldg} STAGES={self.stages} CACHE_WEIGHTS={int(self.cache_weights)} "

@@ -11,6 +11,7 @@ pytestmark = pytest.mark.gpu
 
 GENERAL = check.general_cases()
 FLAGS = check.flag_cases()
+PAIRWISE = check.pairwise_cases()
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -19,7 +20,7 @@ def _compiled(request):
     from conftest import gpu_available
 
     if gpu_available() is None:
-        check.precompile(GENERAL + FLAGS)
+        check.precompile(GENERAL + FLAGS + PAIRWISE)
 
 
 def _assert_ok(results):
@@ -35,6 +36,33 @@ def test_general(case, rng):
 @pytest.mark.parametrize("case", FLAGS, ids=lambda c: c.label())
 def test_flags(case, rng):
     _assert_ok(check.run_case(case, rng))
+
+
+@pytest.mark.parametrize("case", PAIRWISE, ids=lambda c: c.label())
+def test_pairwise(case, rng):
+    """Every tensor's dtype and layout drawn independently (all pairs covered)."""
+    _assert_ok(check.run_case(case, rng))
+
+
+@pytest.mark.parametrize("n", [1024, 4096, 4097])
+@pytest.mark.parametrize("rms", [True, False])
+def test_residual_out_dtype_differs_from_the_residual(rms, n, rng):
+    """A bf16 residual stream kept in fp32: residual_out = x + residual exactly
+    (both bf16, so their fp32 sum is exact), and y normalizes it."""
+    import cupy
+
+    x = cupy.asarray(rng.standard_normal((32, n)).astype(dtypes.BFLOAT16))
+    r = cupy.asarray(rng.standard_normal((32, n)).astype(dtypes.BFLOAT16))
+    w = cupy.asarray(rng.standard_normal(n).astype(np.float32))
+    op = cunorm.rms_norm if rms else cunorm.layer_norm
+    with check.poisoned_allocations():
+        y, h, *stats = op(x, w, residual=r, residual_dtype=np.float32, return_stats=True)
+    assert h.dtype == np.float32 and y.dtype == x.dtype
+    assert cupy.array_equal(h, x.astype(np.float32) + r.astype(np.float32))
+    ref = (cunorm.reference.rms_norm(h, w) if rms else cunorm.reference.layer_norm(h, w))
+    assert check.rel_l2(y, ref[0]) < check.TOLERANCE["bfloat16"]
+    for got, want in zip(stats, ref[1:]):
+        assert check.rel_l2(got, want) < check.TOLERANCE["float32"]
 
 
 @pytest.fixture

@@ -1,14 +1,15 @@
 """The one place that validates and normalizes array arguments.
 
-Every error names the argument it is about. GPU arrays are CuPy arrays or
-anything with __dlpack__ (taken zero-copy); numpy arrays select the float64
-reference on the CPU.
+Every error names the argument it is about. GPU arrays are CuPy arrays,
+torch tensors, or anything with __cuda_array_interface__ or __dlpack__ (taken
+zero-copy, see `cunorm.kinds`); numpy arrays select the float64 reference on
+the CPU.
 """
 from __future__ import annotations
 
 import numpy as np
 
-from . import dtypes
+from . import dtypes, kinds
 
 
 class Arg:
@@ -25,24 +26,30 @@ class Arg:
 
 
 def take(obj, name: str) -> Arg:
-    """Wraps a numpy array, a CuPy array or a __dlpack__ object; TypeError otherwise."""
+    """A numpy array (the CPU reference), or a GPU array of any kind described
+    as a `kinds.Tensor` (pointer, shape, strides, dtype, device: no new array
+    is built for CuPy arrays and torch tensors; other `__cuda_array_interface__`
+    and `__dlpack__` producers are viewed as CuPy arrays). TypeError otherwise."""
     if isinstance(obj, np.ndarray):
         return Arg(name, obj, False)
-    if type(obj).__module__.startswith("cupy"):
-        import cupy
-
-        if isinstance(obj, cupy.ndarray):
-            return Arg(name, obj, True)
-    if hasattr(obj, "__dlpack__") and hasattr(obj, "__dlpack_device__"):
-        import cupy
-
-        device_type = int(obj.__dlpack_device__()[0])
-        if device_type != 2:  # kDLCUDA
-            raise TypeError(f"{name}: a __dlpack__ array on a non-CUDA device (DLPack device type {device_type}); "
-                            f"pass a numpy array for the CPU reference or a CUDA array")
-        return Arg(name, cupy.from_dlpack(obj), True)
-    raise TypeError(f"{name}: expected a cupy or numpy array (or a CUDA array with __dlpack__), "
-                    f"got {type(obj).__name__}")
+    kind = kinds.kind_of(obj)
+    if kind is None:
+        if hasattr(obj, "__dlpack__") and hasattr(obj, "__dlpack_device__") and not hasattr(
+                obj, "__cuda_array_interface__"):
+            device_type = int(obj.__dlpack_device__()[0])
+            if device_type != 2:  # kDLCUDA
+                raise TypeError(f"{name}: a __dlpack__ array on a non-CUDA device (DLPack device type "
+                                f"{device_type}); pass a numpy array for the CPU reference or a CUDA array")
+        elif not hasattr(obj, "__cuda_array_interface__"):
+            raise TypeError(f"{name}: expected a cupy or numpy array, a torch tensor (or a CUDA array with "
+                            f"__cuda_array_interface__ or __dlpack__), got {type(obj).__name__}")
+        obj, kind = kinds.as_cupy(obj), kinds.CupyKind
+    try:
+        return Arg(name, kind.describe(obj), True)
+    except kinds.UnsupportedDtype as e:
+        raise kinds.dtype_error(name, e) from None
+    except TypeError as e:
+        raise TypeError(f"{name}: {e}") from None
 
 
 def take_all(required: dict, optional: dict) -> tuple:
@@ -57,9 +64,9 @@ def take_all(required: dict, optional: dict) -> tuple:
             where = lambda x: "a GPU array" if x.on_gpu else "a numpy array"  # noqa: E731
             raise TypeError(f"{a.name}: is {where(a)} but {first.name} is {where(first)}; "
                             f"pass all arrays on the GPU or all as numpy")
-        if a.on_gpu and a.array.device.id != first.array.device.id:
-            raise ValueError(f"{a.name}: is on GPU {a.array.device.id} but {first.name} is on GPU "
-                             f"{first.array.device.id}")
+        if a.on_gpu and a.array.device_id != first.array.device_id:
+            raise ValueError(f"{a.name}: is on GPU {a.array.device_id} but {first.name} is on GPU "
+                             f"{first.array.device_id}")
     return args, first.on_gpu
 
 
@@ -76,9 +83,3 @@ def check_dtype(arg: Arg, allowed=dtypes.NAMES) -> str:
 def check_shape(arg: Arg, shape: tuple, what: str):
     if tuple(arg.array.shape) != tuple(shape):
         raise ValueError(f"{arg.name}: shape {tuple(arg.array.shape)} does not match {what} {tuple(shape)}")
-
-
-def check_aligned(arg: Arg, alignment: int):
-    if arg.array.data.ptr % alignment:
-        raise ValueError(f"{arg.name}: data pointer is not {alignment}-byte aligned (an offset view?); "
-                         f"pass an aligned copy")

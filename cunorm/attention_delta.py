@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import arrays, dtypes, plan, reference
+from .launch import CallPlan, Launch, Output
 
 MAX_LEAD_AXES = 3  # leading axes the kernel indexes with their own strides
 MAX_HEAD_DIM = 2048  # 32 threads x 64 elements (MAX_ELTS_PER_THREAD) at one element per load
@@ -156,19 +157,22 @@ def _row_axes(shape: tuple, *strides: tuple) -> tuple:
     return [n for n, _ in merged], [[st[i] for _, st in merged] for i in range(len(strides))]
 
 
-def _max_elts(arrays_, k: int, strides_per_tensor) -> int:
+def _max_elts(tensors, k: int, strides_per_tensor) -> int:
     """Widest vector (in elements) every pointer, leading stride and row
     length allows for 16-byte-or-narrower aligned loads."""
     best = 16
-    for a, st in zip(arrays_, strides_per_tensor):
+    for a, st in zip(tensors, strides_per_tensor):
         item = a.itemsize
         for e in (16, 8, 4, 2, 1):
             nbytes = e * item
             chunk = min(16, nbytes)
-            if k % e == 0 and a.data.ptr % chunk == 0 and all((s * item) % chunk == 0 for s in st):
+            if k % e == 0 and a.ptr % chunk == 0 and all((s * item) % chunk == 0 for s in st):
                 break
         best = min(best, e)
     return best
+
+
+NAMES = ("out", "grad_out")
 
 
 def attention_delta(out, grad_out, *, traits=None):
@@ -178,60 +182,77 @@ def attention_delta(out, grad_out, *, traits=None):
     differ), head dim up to MAX_HEAD_DIM. GPU arrays with a contiguous last axis are read in place through
     their leading strides (up to three leading axes after merging contiguous
     ones); other layouts are copied first. K = 0 gives zeros, zero rows an
-    empty result; neither launches a kernel. numpy inputs run the float64
-    reference on the CPU.
+    empty result; neither launches a kernel. CuPy arrays give a CuPy array
+    and torch tensors a torch tensor (on the kind's current stream); numpy
+    inputs run the float64 reference on the CPU.
     """
+    values = (out, grad_out)
+    key, ptrs = plan.call_key(values, ("delta", traits))
+    hit = plan.CALLS.get(key) if key is not None else None
+    if hit is not None:
+        return hit.run(values, ptrs)
     args, on_gpu = arrays.take_all({"out": out, "grad_out": grad_out}, {})
     O, G = args["out"], args["grad_out"]
     o_dtype, g_dtype = arrays.check_dtype(O), arrays.check_dtype(G)
     if O.array.ndim < 1:
         raise ValueError("out: needs at least one axis (the head dim), got a 0-d array")
     arrays.check_shape(G, O.array.shape, "out's shape")
-    lead, k = tuple(O.array.shape[:-1]), O.array.shape[-1]
-
     if not on_gpu:
         return reference.attention_delta(O.array, G.array).astype(np.float32)
+    with plan.on_device(O.array.device_id):
+        call = _plan(args, o_dtype, g_dtype, traits)
+    plan.remember(key, call)
+    return call.run(tuple(a.array.obj for a in (O, G)), [a.array.ptr for a in (O, G)])
 
-    import cupy
 
-    with cupy.cuda.Device(O.array.device.id):
-        rows = math.prod(lead)
-        if rows == 0 or k == 0:
-            return cupy.zeros(lead, dtype=np.float32)
-        if rows >= 2**32:
-            raise ValueError(f"out: {rows} rows; at most 2**32 - 1 are supported")
-        if k > MAX_HEAD_DIM:
-            raise ValueError(f"out: head dim {k} exceeds {MAX_HEAD_DIM}, the widest row a thread group holds")
-        tensors = []
-        for a in (O, G):
-            arr = a.array
-            if arr.data.ptr % arr.itemsize or any(s % arr.itemsize for s in arr.strides):
-                # A reinterpreting view: its elements are misaligned for their own type (even a copy faults).
-                raise ValueError(f"{a.name}: pointer or strides {arr.strides} are not whole {arr.dtype} elements "
-                                 f"(a view reinterpreting another dtype?); build the array in its own dtype")
-            if arr.strides[-1] != arr.itemsize and k > 1:
-                arr = cupy.ascontiguousarray(arr)  # documented: a non-unit last-axis stride is copied
-            tensors.append(arr)
+def _plan(args: dict, o_dtype: str, g_dtype: str, traits) -> CallPlan:
+    """The CallPlan of a validated GPU call: which inputs are copied, the
+    traits (the layout's alignment caps the vector width), the launch."""
+    O = args["out"]
+    lead, k = tuple(O.array.shape[:-1]), O.array.shape[-1]
+    rows = math.prod(lead)
+    result = lambda objs, made: made[0]  # noqa: E731
+    delta = Output("delta", lead, np.dtype(np.float32))
+    kind, device = O.array.kind, O.array.device_id
+    if rows == 0 or k == 0:
+        return CallPlan(kind, device, NAMES, (), outputs=(delta,), zeros=("delta",), result=result)
+    if rows >= 2**32:
+        raise ValueError(f"out: {rows} rows; at most 2**32 - 1 are supported")
+    if k > MAX_HEAD_DIM:
+        raise ValueError(f"out: head dim {k} exceeds {MAX_HEAD_DIM}, the widest row a thread group holds")
+    tensors, copies = [], set()
+    for name in NAMES:
+        arr = args[name].array
+        if arr.ptr % arr.itemsize or any(s % arr.itemsize for s in arr.strides):
+            # A reinterpreting view: its elements are misaligned for their own type (even a copy faults).
+            raise ValueError(f"{name}: pointer or strides {arr.strides} are not whole {arr.dtype} elements "
+                             f"(a view reinterpreting another dtype?); build the array in its own dtype")
+        if arr.strides[-1] != arr.itemsize and k > 1:
+            arr = arr.kind.describe(arr.kind.copy(arr.obj))  # documented: a non-unit last-axis stride is copied
+            copies.add(name)
+        tensors.append(arr)
+    elem_strides = [tuple(s // t.itemsize for s in t.strides[:-1]) for t in tensors]
+    axes = _row_axes(lead, *elem_strides)
+    if axes is None:  # documented: more than three non-mergeable leading axes are copied
+        tensors = [t.kind.describe(t.kind.copy(t.obj)) for t in tensors]
+        copies.update(NAMES)
         elem_strides = [tuple(s // t.itemsize for s in t.strides[:-1]) for t in tensors]
         axes = _row_axes(lead, *elem_strides)
-        if axes is None:  # documented: more than three non-mergeable leading axes are copied
-            tensors = [cupy.ascontiguousarray(t) for t in tensors]
-            elem_strides = [tuple(s // t.itemsize for s in t.strides[:-1]) for t in tensors]
-            axes = _row_axes(lead, *elem_strides)
-        sizes, (ost, gst) = axes
-        call = dict(head_dim=k, out_dtype=o_dtype, grad_dtype=g_dtype)
-        if traits is None:  # the layout's alignment caps the vector width dispatch may pick
-            call["max_elts_per_ldg"] = _max_elts(tensors, k, (ost, gst))
-        t, kernels = plan.resolve(_Family, traits, call, O.array.device.id)
-        for a, st, name in zip(tensors, (ost, gst), ("out", "grad_out")):
-            chunk = min(16, t.vector_bytes(dtypes.name_of(a.dtype)))
-            if a.data.ptr % chunk or any((s * a.itemsize) % chunk for s in st):
-                raise ValueError(f"{name}: its pointer or strides are not {chunk}-byte aligned, as "
-                                 f"traits {t.short()} need")
-        d = cupy.empty(lead, dtype=np.float32)
-        kern = kernels["attention_delta"]
-        tiles = -(-rows // t.rows_per_cta)
-        grid = min(tiles, kern.resident_clusters * 4)  # CTAs (no cluster): four waves' worth
-        kern(grid, (tensors[0], tensors[1], d, np.uint32(rows), np.uint32(sizes[1]), np.uint32(sizes[2]),
-                    *(np.int64(s) for s in ost), *(np.int64(s) for s in gst)))
-    return d
+    sizes, (ost, gst) = axes
+    call = dict(head_dim=k, out_dtype=o_dtype, grad_dtype=g_dtype)
+    if traits is None:  # the layout's alignment caps the vector width dispatch may pick
+        call["max_elts_per_ldg"] = _max_elts(tensors, k, (ost, gst))
+    t, kernels = plan.resolve(_Family, traits, call, device)
+    for a, st, name in zip(tensors, (ost, gst), NAMES):
+        chunk = min(16, t.vector_bytes(dtypes.name_of(a.dtype)))
+        if a.ptr % chunk or any((s * a.itemsize) % chunk for s in st):
+            raise ValueError(f"{name}: its pointer or strides are not {chunk}-byte aligned, as "
+                             f"traits {t.short()} need")
+    kern = kernels["attention_delta"]
+    tiles = -(-rows // t.rows_per_cta)
+    grid = min(tiles, kern.resident_clusters * 4)  # CTAs (no cluster): four waves' worth
+    launch = Launch(kern, grid, [("ptr", "out"), ("ptr", "grad_out"), ("ptr", "delta"), ("u32", rows),
+                                 ("u32", sizes[1]), ("u32", sizes[2]), *(("i64", s) for s in ost),
+                                 *(("i64", s) for s in gst)])
+    return CallPlan(kind, device, NAMES, (launch,), outputs=(delta,), copies=tuple(n for n in NAMES if n in copies),
+                    result=result)

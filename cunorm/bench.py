@@ -53,12 +53,15 @@ def copy_bandwidth(nbytes: int = 2**30) -> float:
 
 
 def norm_cases(sizes=BENCH_SIZES, dtype: str = "bfloat16", weight_dtype: str | None = None,
-               variants=("layer_norm", "rms_norm", "layer_norm+residual", "rms_norm+residual"), layout=""):
+               variants=("layer_norm", "rms_norm", "layer_norm+residual", "rms_norm+residual"), layout="",
+               as_array=None):
     """Yields (name, n, bytes, fn) for forward and backward at M*N = ELEMENTS.
     A "+residual" variant adds a residual (dresidual in the backward) of x's
     dtype. layout "stride+D" reads and writes rows D elements apart beyond N
     (slices of wider buffers). Bytes count each row tensor once plus the saved
-    statistics (4 bytes a row each); weights and partial sums are not counted."""
+    statistics (4 bytes a row each); weights and partial sums are not counted.
+    `as_array` converts each CuPy array made (e.g. torch.from_dlpack: the calls
+    then take torch tensors)."""
     import cupy
 
     from .norm import layer_norm, layer_norm_backward, rms_norm, rms_norm_backward
@@ -67,16 +70,18 @@ def norm_cases(sizes=BENCH_SIZES, dtype: str = "bfloat16", weight_dtype: str | N
     wdt = dtypes.numpy_dtype(weight_dtype or dtype)
     pad = int(layout.removeprefix("stride+")) if layout else 0
 
+    conv = as_array or (lambda a: a)
+
     def rows_of(m, n):
         buf = cupy.random.standard_normal((m, n + pad), dtype=np.float32).astype(dt)
-        return buf[:, :n]
+        return conv(buf[:, :n])
 
     for n in sizes:
         m = ELEMENTS // n
         x, dy = rows_of(m, n), rows_of(m, n)
         outs = [rows_of(m, n) for _ in range(2)] if pad else [None, None]
-        w = cupy.random.standard_normal(n, dtype=np.float32).astype(wdt)
-        b = cupy.random.standard_normal(n, dtype=np.float32).astype(wdt)
+        w = conv(cupy.random.standard_normal(n, dtype=np.float32).astype(wdt))
+        b = conv(cupy.random.standard_normal(n, dtype=np.float32).astype(wdt))
         e = dt.itemsize
         for variant in variants:
             rms = variant.startswith("rms")
@@ -140,6 +145,165 @@ def run(sizes=BENCH_SIZES, dtype="bfloat16", weight_dtype=None, repeat=20, out=s
     return results
 
 
+HOST_SHAPES = ((1, 4096), (8, 4096), (128, 4096), (4096, 4096))
+DELTA_HEAD_DIM = 128  # attention_delta's rows for a host shape (M, N): (M * N / 128, 128)
+
+
+def per_call_us(fns: dict, repeat: int = 7, seconds: float = 0.05) -> dict:
+    """Microseconds per call of each function, called back to back and
+    synchronized at the end (the host's cost where it exceeds the GPU's):
+    {name: (median, min, max)} over `repeat` rounds, the functions
+    interleaved within each round so that drift hits them alike."""
+    import time
+
+    import cupy
+
+    sync = cupy.cuda.runtime.deviceSynchronize
+    counts = {}
+    for name, fn in fns.items():  # warm up, and size each batch to about `seconds`
+        for _ in range(20):
+            fn()
+        sync()
+        t = time.perf_counter()
+        for _ in range(20):
+            fn()
+        sync()
+        counts[name] = max(20, int(seconds / max((time.perf_counter() - t) / 20, 1e-7)))
+    rounds = {name: [] for name in fns}
+    for _ in range(repeat):
+        for name, fn in fns.items():
+            n = counts[name]
+            sync()
+            t = time.perf_counter()
+            for _ in range(n):
+                fn()
+            sync()
+            rounds[name].append((time.perf_counter() - t) / n * 1e6)
+    return {name: (float(np.median(v)), min(v), max(v)) for name, v in rounds.items()}
+
+
+def host_cases(shape: tuple, dtype: str = "bfloat16"):
+    """Yields (op, {variant: fn}) for every op at one shape: cunorm on CuPy
+    arrays, cunorm on torch tensors, and torch's own op when torch is
+    installed (attention_delta: torch's eager (out.float() * grad.float()).sum(-1))."""
+    import cupy
+
+    from .attention_delta import attention_delta
+    from .norm import layer_norm, layer_norm_backward, rms_norm, rms_norm_backward
+
+    try:
+        import torch
+        import torch.nn.functional as F
+    except ImportError:
+        torch = None
+    n = shape[-1]
+    dt = dtypes.numpy_dtype(dtype)
+    gen = cupy.random.default_rng(0)
+    cx, cdy = (gen.standard_normal(shape, dtype=np.float32).astype(dt) for _ in range(2))
+    cw, cb = (gen.standard_normal(n, dtype=np.float32).astype(dt) for _ in range(2))
+    _, cmean, crstd = layer_norm(cx, cw, cb, return_stats=True)
+    _, crms = rms_norm(cx, cw, return_stats=True)
+    co, cg = cx.reshape(-1, DELTA_HEAD_DIM), cdy.reshape(-1, DELTA_HEAD_DIM)
+    t = {}
+    if torch is not None:
+        t = {k: torch.from_dlpack(v) for k, v in dict(x=cx, dy=cdy, w=cw, b=cb, mean=cmean, rstd=crstd, rms=crms,
+                                                      o=co, g=cg).items()}
+    ops = {
+        "layer_norm": (lambda a: layer_norm(a["x"], a["w"], a["b"]),
+                       lambda: F.layer_norm(t["x"], (n,), t["w"], t["b"])),
+        "rms_norm": (lambda a: rms_norm(a["x"], a["w"]), lambda: F.rms_norm(t["x"], (n,), t["w"])),
+        "layer_norm_backward": (lambda a: layer_norm_backward(a["dy"], a["x"], a["mean"], a["rstd"], a["w"]),
+                                lambda: torch.ops.aten.native_layer_norm_backward(
+                                    t["dy"], t["x"], (n,), t["mean"], t["rstd"], t["w"], t["b"], [True] * 3)),
+        "rms_norm_backward": (lambda a: rms_norm_backward(a["dy"], a["x"], a["rms"], a["w"]),
+                              lambda: torch.ops.aten._fused_rms_norm_backward(
+                                  t["dy"], t["x"], (n,), t["rms"], t["w"], [True, True])),
+        "attention_delta": (lambda a: attention_delta(a["o"], a["g"]),
+                            lambda: (t["o"].float() * t["g"].float()).sum(-1)),
+    }
+    c = dict(x=cx, dy=cdy, w=cw, b=cb, mean=cmean, rstd=crstd, rms=crms, o=co, g=cg)
+    for op, (ours, native) in ops.items():
+        fns = {"cunorm (CuPy)": lambda ours=ours: ours(c)}
+        if torch is not None:
+            fns["cunorm (torch)"] = lambda ours=ours: ours(t)
+            try:
+                native()
+                fns["torch"] = native
+            except (AttributeError, RuntimeError):  # an op this torch lacks
+                pass
+        yield op, fns
+
+
+def run_host(shapes=HOST_SHAPES, dtype: str = "bfloat16", repeat: int = 7, out=sys.stdout) -> dict:
+    """Per-call host time of every op through the API, beside torch's (same run)."""
+    import cupy
+
+    props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
+    results = {"gpu": props["name"].decode(), "dtype": dtype, "rows": []}
+    print(f"# {results['gpu']}: microseconds per call, back to back (median [min, max] of {repeat} rounds)",
+          file=out)
+    print(f"{'op':<22} {'shape':<13} {'variant':<15} {'us/call':>8} {'min':>7} {'max':>7}", file=out)
+    for shape in shapes:
+        for op, fns in host_cases(shape, dtype):
+            for variant, (med, lo, hi) in per_call_us(fns, repeat).items():
+                shown = shape if op != "attention_delta" else (shape[0] * shape[1] // DELTA_HEAD_DIM, DELTA_HEAD_DIM)
+                results["rows"].append({"op": op, "shape": list(shown), "variant": variant, "us": med, "min": lo,
+                                        "max": hi})
+                print(f"{op:<22} {str(shown):<13} {variant:<15} {med:>8.2f} {lo:>7.2f} {hi:>7.2f}", file=out,
+                      flush=True)
+    return results
+
+
+def graph_ms(fn, repeat: int = 20) -> float:
+    """Milliseconds per call of `fn` replayed from a CUDA graph (torch's
+    capture: outputs come from the graph's private pool), timed with events."""
+    import torch
+
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    times = []
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(5):
+        g.replay()
+    for _ in range(repeat):
+        g.replay()
+        start.record()
+        for _ in range(10):
+            g.replay()
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop) / 10)
+    return float(np.median(times))
+
+
+def run_graph(sizes=(768, 1024, 2048, 4096, 8192, 16384, 32768, 65536), dtype: str = "bfloat16", repeat: int = 20,
+              out=sys.stdout) -> dict:
+    """Bandwidth through the API (torch tensors, back-to-back calls timed with
+    events) beside the same calls replayed from a CUDA graph, as fractions of
+    a same-run copy: what the host path costs at M*N = ELEMENTS."""
+    import cupy
+    import torch
+
+    copy = copy_bandwidth()
+    props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
+    results = {"gpu": props["name"].decode(), "copy_gbps": copy / 1e9, "rows": []}
+    print(f"# {results['gpu']}: copy {copy / 1e9:.0f} GB/s; API (events around back-to-back calls) vs CUDA graph "
+          f"replay, torch tensors", file=out)
+    print(f"{'op':<28} {'N':>6} {'API':>7} {'graph':>7} {'API/graph':>9}", file=out)
+    for name, n, nbytes, fn in norm_cases(sizes, dtype, variants=("layer_norm", "rms_norm"),
+                                          as_array=torch.from_dlpack):
+        api = median_ms(fn, repeat)
+        graph = graph_ms(fn, repeat)
+        row = {"op": name, "n": n, "api": nbytes / (api * 1e-3) / copy, "graph": nbytes / (graph * 1e-3) / copy}
+        results["rows"].append(row)
+        print(f"{name:<28} {n:>6} {row['api']:>7.3f} {row['graph']:>7.3f} {row['api'] / row['graph']:>9.3f}",
+              file=out, flush=True)
+    return results
+
+
 def main(argv=None):
     import argparse
 
@@ -151,7 +315,17 @@ def main(argv=None):
     p.add_argument("--repeat", type=int, default=20)
     p.add_argument("--json", default=None, help="also write results to this file")
     p.add_argument("--no-extras", action="store_true", help="skip the strided-row and odd-size comparisons")
+    p.add_argument("--host", action="store_true", help="per-call host time of every op (CuPy arrays, torch "
+                   "tensors, torch's own op) at the host shapes, instead of bandwidth")
+    p.add_argument("--graph", action="store_true", help="bandwidth through the API beside CUDA-graph replay "
+                   "(torch tensors), instead of the bandwidth table")
     a = p.parse_args(argv)
+    if a.host or a.graph:
+        res = run_host(dtype=a.dtype, repeat=max(a.repeat // 3, 5)) if a.host else run_graph(dtype=a.dtype)
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump(res, f, indent=1)
+        return
     ints = lambda text: tuple(int(v) for v in text.split(",") if v)  # noqa: E731
     res = run(ints(a.sizes), a.dtype, a.weight_dtype, a.repeat, head_dims=ints(a.head_dims), extras=not a.no_extras)
     if a.json:

@@ -15,10 +15,23 @@ CXX_TYPES = {"float32": ("float", 4), "float16": ("cn_half", 2), "bfloat16": ("c
 NAMES = tuple(CXX_TYPES)
 
 
+# Other names of our dtypes: the short ones the CLI takes, and torch's spellings.
+ALIASES = {"fp32": "float32", "float": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16",
+           "torch.float32": "float32", "torch.float16": "float16", "torch.bfloat16": "bfloat16"}
+
+
 def name_of(dtype) -> str:
-    """Canonical name of a supported dtype; ValueError for anything else."""
+    """Canonical name of a supported dtype (a numpy or ml_dtypes dtype, a
+    torch dtype, or a name such as "bfloat16" or "bf16"); ValueError for
+    anything else."""
     if isinstance(dtype, str) and dtype in CXX_TYPES:
         return dtype
+    alias = ALIASES.get(dtype if isinstance(dtype, str) else str(dtype) if type(dtype).__module__ == "torch"
+                        else None)
+    if alias is not None:
+        return alias
+    if type(dtype).__module__ == "torch":
+        raise ValueError(f"unsupported dtype {dtype}; expected one of {', '.join(NAMES)}")
     try:
         dt = np.dtype(dtype)
     except TypeError:

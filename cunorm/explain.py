@@ -5,6 +5,7 @@ import inspect
 from dataclasses import dataclass
 
 from . import dispatch, dtypes, layout, norm, plan
+from .norm import calls, plans
 from .compiler import device_arch
 from .traits import Traits
 
@@ -71,26 +72,24 @@ def explain(op, *args, **kwargs) -> Explanation:
     a = dict(bound.arguments)
     traits = a.pop("traits")
     if backward:
-        call_args, on_gpu, base = norm._backward_args(rms, a["dy"], a["x"], a.get("mean"), a["rstd"], a["weight"],
+        call_args, on_gpu, base = calls.backward_args(rms, a["dy"], a["x"], a.get("mean"), a["rstd"], a["weight"],
                                                       a.get("has_bias", False), a.get("bias_dtype"),
                                                       a["dresidual"], a["zero_centered_weight"], a["out"])
     else:
-        call_args, on_gpu, base, _ = norm._forward_args(rms, a["x"], a["weight"], a.get("bias"), a["eps"],
+        call_args, on_gpu, base, _ = calls.forward_args(rms, a["x"], a["weight"], a.get("bias"), a["eps"],
                                                         a["residual"], a["residual_dtype"],
                                                         a["zero_centered_weight"], a["out_dtype"], a["out"])
     if not on_gpu:
         return Explanation(name, "reference", None, "", ("numpy inputs run the float64 reference on the CPU",))
 
-    import cupy
-
-    dev = call_args["x"].array.device.id
-    with cupy.cuda.Device(dev):
-        p = (norm._backward_prepare if backward else norm._forward_prepare)(call_args, base)
+    dev = call_args["x"].array.device_id
+    with plan.on_device(dev):
+        p = (plans.backward_prepare if backward else plans.forward_prepare)(call_args, base)
     arch = device_arch(dev)
     if traits is None:
         t, source = dispatch.choose(arch=arch, **p.base)
     else:
-        t, source = plan.resolve_traits(norm._Family, traits, p.base, arch), "caller"
+        t, source = plan.resolve_traits(plans.Family, traits, p.base, arch), "caller"
     reasons = _layout_reasons(p, t)
     if source == "tuned":
         neighbour = dispatch.tuned_neighbour(t.hidden_size, t.input_dtype)

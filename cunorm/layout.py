@@ -28,7 +28,7 @@ class Rows:
     """A row tensor as the kernels see it."""
 
     name: str
-    array: object  # the cupy array handed to the kernel (a contiguous copy if `copied`); None: not yet allocated
+    array: object  # the kinds.Tensor the kernel reads (a contiguous copy if `copied`); None: not yet allocated
     rows: int
     ld: int  # elements from one row start to the next
     offset: int  # the pointer in elements (its position modulo E decides the row shift)
@@ -37,21 +37,10 @@ class Rows:
 
 def fresh_rows(name: str, rows: int, n: int, offset: int) -> Rows:
     """An output cunorm allocates: contiguous, `offset` elements into an
-    aligned allocation (CuPy allocations are 256-byte aligned). The offset
+    aligned allocation (CuPy's and torch's are 256-byte aligned). The offset
     mirrors x's position from a vector boundary, so that an offset view of x
-    still meets its outputs on the same row shifts (see `allocate`)."""
+    still meets its outputs on the same row shifts (`launch.Output`)."""
     return Rows(name, None, rows, n, offset)
-
-
-def allocate(r: Rows, shape: tuple, dtype):
-    """The array of a fresh output: C-contiguous, starting r.offset elements
-    into its allocation."""
-    import cupy
-
-    size = math.prod(shape)
-    if not r.offset:
-        return cupy.empty(shape, dtype=dtype)
-    return cupy.empty(size + r.offset, dtype=dtype)[r.offset:].reshape(shape)
 
 
 def mirrored_offset(x: Rows, itemsize: int) -> int:
@@ -62,8 +51,8 @@ def mirrored_offset(x: Rows, itemsize: int) -> int:
 def check_elements(a: Arg):
     arr = a.array
     # C-contiguous (the common case, checked cheaply): strides are whole, positive elements.
-    contiguous = arr.flags.c_contiguous
-    if arr.data.ptr % arr.itemsize or (not contiguous and any(s % arr.itemsize for s in arr.strides)):
+    contiguous = arr.c_contiguous
+    if arr.ptr % arr.itemsize or (not contiguous and any(s % arr.itemsize for s in arr.strides)):
         raise ValueError(f"{a.name}: pointer or strides {arr.strides} are not whole {arr.dtype} elements (a view "
                          f"reinterpreting another dtype?); the row stride must be a whole number of elements")
     if not contiguous and any(s < 0 for s, n in zip(arr.strides, arr.shape) if n > 1):
@@ -91,22 +80,20 @@ def rows_of(a: Arg, n: int, *, output: bool = False) -> Rows:
     check_elements(a)
     arr = a.array
     rows = math.prod(arr.shape[:-1])
-    ld = n if arr.flags.c_contiguous else row_stride(arr.shape, tuple(s // arr.itemsize for s in arr.strides), n)
+    ld = n if arr.c_contiguous else row_stride(arr.shape, tuple(s // arr.itemsize for s in arr.strides), n)
     if output:
         if ld is None:
             raise ValueError(f"{a.name}: strides {arr.strides} are not a unit last-axis stride with one row stride; "
                              f"the output must be written in place, so pass such an array")
         if rows > 1 and ld < n:
             raise ValueError(f"{a.name}: row stride {ld} is shorter than a row ({n}): rows would overlap")
-        return Rows(a.name, arr, rows, ld, arr.data.ptr // arr.itemsize)
+        return Rows(a.name, arr, rows, ld, arr.ptr // arr.itemsize)
     if ld is None:
-        import cupy
-
         why = (f"last-axis stride {arr.strides[-1] // arr.itemsize}" if n > 1 and arr.strides[-1] != arr.itemsize
                else "leading axes that do not merge into one row stride")
-        copy = cupy.ascontiguousarray(arr)
-        return Rows(a.name, copy, rows, n, copy.data.ptr // copy.itemsize, f"copied to a contiguous array ({why})")
-    return Rows(a.name, arr, rows, ld, arr.data.ptr // arr.itemsize)
+        copy = arr.kind.describe(arr.kind.copy(arr.obj))
+        return Rows(a.name, copy, rows, n, copy.ptr // copy.itemsize, f"copied to a contiguous array ({why})")
+    return Rows(a.name, arr, rows, ld, arr.ptr // arr.itemsize)
 
 
 def vector_widths(row_tensors: list, n: int, x_itemsize: int) -> tuple:
@@ -157,9 +144,9 @@ def shift_period(ld: int, rows: int, e: int) -> int:
 def _extent(arr) -> tuple:
     """[first byte, last byte + 1) of an array with non-negative strides."""
     if arr.size == 0:
-        return (arr.data.ptr, arr.data.ptr)
+        return (arr.ptr, arr.ptr)
     last = sum((n - 1) * s for n, s in zip(arr.shape, arr.strides))
-    return arr.data.ptr, arr.data.ptr + last + arr.itemsize
+    return arr.ptr, arr.ptr + last + arr.itemsize
 
 
 def rows_overlap(a: Rows, b: Rows, n: int) -> bool:
@@ -173,7 +160,7 @@ def rows_overlap(a: Rows, b: Rows, n: int) -> bool:
     if a.rows <= 1 or b.rows <= 1 or la != lb or la <= 0:
         return True
     # Row i of a against row j of b: d + k * L in (-nb, na) for some k = i - j in [-(rows_b - 1), rows_a - 1].
-    d, na, nb = a.array.data.ptr - b.array.data.ptr, n * a.array.itemsize, n * b.array.itemsize
+    d, na, nb = a.array.ptr - b.array.ptr, n * a.array.itemsize, n * b.array.itemsize
     k = max(-(b.rows - 1), (-nb - d) // la + 1)
     return k <= a.rows - 1 and d + k * la < na
 
@@ -186,7 +173,7 @@ def check_outputs(outputs: list, inputs: list, n: int, in_place: dict):
         for t in inputs + outputs[:i]:
             if t is None or t.array.size == 0 or o.array.size == 0:
                 continue
-            same = (isinstance(t, Rows) and t.array.data.ptr == o.array.data.ptr and t.ld == o.ld
+            same = (isinstance(t, Rows) and t.array.ptr == o.array.ptr and t.ld == o.ld
                     and t.array.dtype == o.array.dtype and t.rows == o.rows)
             if same and t.name in in_place.get(o.name, ()):
                 continue

@@ -1,6 +1,15 @@
-"""The one path from a call signature to loaded kernels, shared by every
-kernel family: pick traits (dispatch, or the caller's `traits=`), check them
-against the GPU, compile once (cached per signature and device)."""
+"""The one path from a call to loaded kernels, shared by every kernel family:
+pick traits (dispatch, or the caller's `traits=`), check them against the GPU,
+compile once (cached per signature and device); and the cache of whole call
+plans (`launch.CallPlan`) by a key read off the call's arrays.
+
+The call cache. A repeated call (same shapes, strides, dtypes, pointers
+modulo KEY_ALIGNMENT and devices of every array, `out=` included, and the same
+flags) skips validation, layout, dispatch and argument packing: it costs a
+key, a dict lookup and `CallPlan.run`. Everything the first call checked is
+determined by the key, except whether `out=` overlaps an input, which depends
+on addresses and is checked on every call (`CallPlan.run`).
+"""
 from __future__ import annotations
 
 import dataclasses
@@ -8,6 +17,50 @@ import functools
 from collections.abc import Mapping
 
 from .compiler import device_arch, kernels_for
+from .kinds import kind_of
+
+CALLS: dict = {}  # cache key -> launch.CallPlan
+MAX_CALLS = 4096
+_keyparts: dict = {}  # array type -> its kind's keypart, or None: not cached (numpy, other producers)
+_UNSEEN = object()
+
+
+def call_key(values: tuple, flags: tuple) -> tuple:
+    """(key, pointers) of a call whose arrays are `values` (None: absent,
+    pointer 0);
+    (None, None) when the call is not cacheable (numpy or other producers'
+    arrays, knob values that are not hashable). `flags` ends with the
+    caller's `traits=`."""
+    knobs = flags[-1]
+    if knobs is not None and isinstance(knobs, Mapping):  # traits= as a mapping of knobs: keyed by its items
+        try:
+            flags = (*flags[:-1], frozenset(knobs.items()))
+            hash(flags)
+        except TypeError:
+            return None, None
+    key, ptrs = [flags], []
+    add_key, add_ptr = key.append, ptrs.append
+    for a in values:
+        if a is None:
+            add_key(None)
+            add_ptr(0)
+            continue
+        part = _keyparts.get(type(a), _UNSEEN)
+        if part is _UNSEEN:
+            kind = kind_of(a)
+            part = _keyparts[type(a)] = None if kind is None else kind.keypart
+        if part is None:
+            return None, None
+        k, p = part(a)
+        add_key(k)
+        add_ptr(p)
+    return tuple(key), ptrs
+
+
+def remember(key, call):
+    """Caches a call plan under `key` (None: not cacheable)."""
+    if key is not None and len(CALLS) < MAX_CALLS:
+        CALLS[key] = call
 
 
 @functools.lru_cache(maxsize=4096)
@@ -65,3 +118,10 @@ def resolve_traits(family, traits, base: dict, arch: int):
     """The traits `resolve` would pick on `arch`, without compiling."""
     key = tuple(sorted(base.items()))
     return choose_traits(family, key, arch, _knobs(family, traits, key, arch))
+
+
+def on_device(device_id: int):
+    """A context in which `device_id` is the current device (first calls: copies and compiles land there)."""
+    import cupy
+
+    return cupy.cuda.Device(device_id)

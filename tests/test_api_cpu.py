@@ -135,87 +135,124 @@ def test_arrays_on_different_gpus_are_refused(monkeypatch):
         return arrays.Arg(name, obj, True)
 
     monkeypatch.setattr(arrays, "take", fake_take)
-    on = lambda dev: SimpleNamespace(device=SimpleNamespace(id=dev))  # noqa: E731
+    on = lambda dev: SimpleNamespace(device_id=dev)  # noqa: E731
     arrays.take_all({"x": on(0)}, {"weight": on(0), "bias": None})
     with pytest.raises(ValueError, match="weight: is on GPU 1 but x is on GPU 0"):
         arrays.take_all({"x": on(0)}, {"weight": on(1)})
 
 
 class _FakeGpuArray:
-    """A numpy array posing as a CuPy one (its own attributes, plus data.ptr and
-    data.device_id): enough for the plan cache's signature, row views and
-    overlap checks, without a GPU."""
+    """A numpy array posing as a GPU one of a kind of its own (`_FakeKind`):
+    enough for cache keys, row views and overlap checks without a GPU."""
 
     def __init__(self, a):
-        self._a = a
-        self.data = SimpleNamespace(ptr=a.ctypes.data, device_id=0)
-
-    def __getattr__(self, name):
-        return getattr(self._a, name)
+        self.a = a
 
 
-def test_signature_covers_out(monkeypatch):
+class _FakeKind:
+    name = "fake"
+
+    @staticmethod
+    def keypart(f):
+        a = f.a
+        return (a.shape, a.strides, a.dtype, a.ctypes.data % 64, 0), a.ctypes.data
+
+    @classmethod
+    def describe(cls, f):
+        from cunorm.kinds import Tensor
+
+        a = f.a
+        return Tensor(f, cls, a.ctypes.data, a.shape, a.strides, a.dtype, 0)
+
+    @staticmethod
+    def copy(f):
+        return _FakeGpuArray(np.array(f.a, copy=True))
+
+    @staticmethod
+    def allocation(specs):
+        return lambda device_id, objs: ([], [])
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """_FakeGpuArray taken as a GPU array of _FakeKind, on device 0."""
+    from cunorm import kinds, launch, plan
+
+    real = kinds.kind_of
+    monkeypatch.setattr(kinds, "kind_of", lambda obj: _FakeKind if isinstance(obj, _FakeGpuArray) else real(obj))
+    monkeypatch.setattr(plan, "kind_of", kinds.kind_of)
+    monkeypatch.setattr(plan, "_keyparts", {})
+    monkeypatch.setattr(launch, "_current_device", lambda: 0)
+
+
+def test_call_key_covers_out(fake_gpu):
     """A call with out= has a cache key: out's layout is part of it, its
-    address only modulo 16 bytes."""
-    from cunorm import norm
+    address only modulo the key's alignment."""
+    from cunorm import kinds, plan
 
-    monkeypatch.setitem(sys.modules, "cupy", SimpleNamespace(ndarray=_FakeGpuArray))
     buf = np.zeros((3, 64, 256), np.float32)
     x, out1, out2 = (_FakeGpuArray(b) for b in buf)
-    key = lambda out: norm._signature((x, None, None, None, out), (False, None, False, None, None))  # noqa: E731
+    key = lambda out: plan.call_key((x, None, None, None, out), (False, None, False, None, None))[0]  # noqa: E731
     assert key(out1) is not None and key(out1) == key(out2) != key(None)
     assert key(out1) != key(_FakeGpuArray(np.zeros((64, 512), np.float32)[:, :256]))  # another row stride
     assert key(out1) != key(_FakeGpuArray(buf.reshape(-1)[1:1 + 64 * 256].reshape(64, 256)))  # 4 bytes on
     assert key(np.zeros((64, 256), np.float32)) is None  # numpy: not a GPU call
+    assert plan.call_key((x, out1), (None,))[1] == [buf[0].ctypes.data, buf[1].ctypes.data]
+    assert kinds.KEY_ALIGNMENT >= 2 * 16  # a vector of 16 bytes of 2-byte x spans 32 bytes of fp32
 
 
-def test_signature_covers_knob_mappings(monkeypatch):
+def test_call_key_covers_knob_mappings(fake_gpu):
     """traits= as a mapping of knobs is part of the cache key (in any order):
     forced kernels are cached like dispatched ones. Unhashable knob values
     make the call uncacheable, not an error."""
-    from cunorm import norm
+    from cunorm import plan
 
-    monkeypatch.setitem(sys.modules, "cupy", SimpleNamespace(ndarray=_FakeGpuArray))
     x = _FakeGpuArray(np.zeros((64, 256), np.float32))
-    key = lambda traits: norm._signature((x, None, None, None, None), (False, None, False, None, traits))  # noqa: E731
+    key = lambda traits: plan.call_key((x, None), (False, traits))[0]  # noqa: E731
     assert key({"warps_n": 4, "stages": 2}) == key({"stages": 2, "warps_n": 4}) is not None
     assert key({"warps_n": 4}) != key({"warps_n": 8}) and key({"warps_n": 4}) != key(None)
     assert key({"warps_n": [4]}) is None
 
 
 @pytest.mark.parametrize("backward", [False, True])
-def test_cached_out_rechecks_overlap_as_the_first_call(backward, monkeypatch):
+def test_cached_out_rechecks_overlap_as_the_first_call(backward, fake_gpu):
     """A cached plan with out= redoes the overlap check with the first call's
-    rule and error, and takes the call's own out."""
-    from cunorm import arrays, norm
+    rule and error, and returns the call's own out."""
+    from cunorm import arrays
+    from cunorm.launch import CallPlan
+    from cunorm.norm import calls, plans
 
     n = 64
     buf, stats = np.zeros((65, n), np.float32), np.zeros((2, 64), np.float32)
     w_buf = np.zeros((64, n), np.float32)
-    direction = norm._BACKWARD if backward else norm._FORWARD
-    names = direction.arrays
-    prepare = norm._backward_prepare if backward else norm._forward_prepare
-    base = norm.call_base(rms=False, backward=backward, hidden_size=n, input_dtype="float32",
-                          output_dtype="float32", weight_dtype="float32", bias_dtype="float32",
-                          residual_dtype=None, zero_centered=False)
+    d = calls.BACKWARD if backward else calls.FORWARD
+    prepare = plans.backward_prepare if backward else plans.forward_prepare
+    base = calls.call_base(rms=False, backward=backward, hidden_size=n, input_dtype="float32",
+                           output_dtype="float32", weight_dtype="float32", bias_dtype="float32",
+                           residual_dtype=None, zero_centered=False)
 
-    def args_of(out, **given):
+    def objs_of(out, **given):
         given = dict(x=buf[:64], dy=np.zeros((64, n), np.float32), mean=stats[0], rstd=stats[1],
                      weight=w_buf[0], bias=np.zeros(n, np.float32), out=out) | given
-        return {k: None if given.get(k) is None else arrays.Arg(k, _FakeGpuArray(given[k]), True) for k in names}
+        return tuple(None if given.get(k) is None else _FakeGpuArray(given[k]) for k in d.arrays)
 
-    monkeypatch.setattr(norm, "_PLANS", {})
-    norm._plan_of("key", prepare(args_of(np.zeros((64, n), np.float32)), base), None, {}, base)
-    cached = norm._PLANS["key"][0]
-    assert cached.rows["out"].array is None
+    def args_of(objs):
+        return {k: None if o is None else arrays.take(o, k) for k, o in zip(d.arrays, objs)}
+
+    first_objs = objs_of(np.zeros((64, n), np.float32))
+    prepare(args_of(first_objs), base)
+    role = "dx" if backward else "y"
+    call = CallPlan(_FakeKind, 0, d.arrays, (), given_out=("out", role), spans=plans._spans(d, args_of(first_objs)),
+                    full_overlap_check=plans._overlap_check(d, n), result=lambda objs, made: objs[-1])
+    ptrs = lambda objs: [None if o is None else o.a.ctypes.data for o in objs]  # noqa: E731
     overlapping = [buf[1:], w_buf] + ([buf[:64], stats.reshape(-1)[:n * 2].reshape(2, n)] if backward else [])
     for out in overlapping:
+        objs = objs_of(out)
         with pytest.raises(ValueError, match="out: shares memory with") as first:
-            prepare(args_of(out), base)
+            prepare(args_of(objs), base)
         with pytest.raises(ValueError) as hit:
-            norm._cached_out(cached, direction, args_of(out))
+            call.run(objs, ptrs(objs))
         assert str(hit.value) == str(first.value)
-    args = args_of(None)
-    args["out"] = arrays.Arg("out", args["dy" if backward else "x"].array, True)  # in place
-    p = norm._cached_out(cached, direction, args)
-    assert p.rows["out"].array is args["out"].array and cached.rows["out"].array is None
+    objs = list(objs_of(None))
+    objs[d.arrays.index("out")] = objs[d.arrays.index("dy" if backward else "x")]  # in place
+    assert call.run(tuple(objs), ptrs(objs)) is objs[-1]

@@ -69,9 +69,7 @@ def test_residual_out_dtype_differs_from_the_residual(rms, n, rng):
 def ran(monkeypatch):
     """The traits of every kernel launch the test makes, in order (the plan
     cache starts empty, so that every call plans)."""
-    from cunorm import norm
-
-    monkeypatch.setattr(norm, "_PLANS", {})
+    plan.CALLS.clear()  # every call plans (the dict is shared with the ops: cleared, not replaced)
     seen = []
     original = plan.resolve
 
@@ -266,7 +264,6 @@ def test_out_calls_reuse_the_plan(ran, rng):
     layout is a cache hit, and the result lands in the new out."""
     import cupy
 
-    from cunorm import norm
 
     x = _buffer((300, 4097), "bfloat16", rng)
     w = _buffer(4097, "float32", rng)
@@ -282,7 +279,7 @@ def test_out_calls_reuse_the_plan(ran, rng):
     assert check.rel_l2(dxs[0], cunorm.reference.layer_norm_backward(dy, x, mean, rstd, w)[0]) < 8e-3
     for first, later in (outs[:2], outs[::2], dxs[:2], dxs[::2]):
         assert cupy.array_equal(first.view(np.uint16), later.view(np.uint16))
-    assert len(ran) == len(norm._PLANS) == 3  # forward with out=, forward without, backward with out=
+    assert len(ran) == len(plan.CALLS) == 3  # forward with out=, forward without, backward with out=
 
 
 def test_cached_out_overlap_is_refused(ran, rng):
@@ -326,7 +323,6 @@ def test_cached_out_overlap_is_refused(ran, rng):
 
 def test_in_place_after_caching(ran, rng):
     """out=x (forward) and dx into dy or dresidual (backward) from a cached plan."""
-    from cunorm import norm
 
     w = _buffer(1000, "float16", rng)
     for _ in range(2):
@@ -347,7 +343,7 @@ def test_in_place_after_caching(ran, rng):
         want = cunorm.reference.rms_norm_backward(dy, x, rstd, w, dresidual=dres)[0]
         dx, _ = cunorm.rms_norm_backward(dy, x, rstd, w, dresidual=dres, out=dres)
         assert dx is dres and check.rel_l2(dx, want) < 1e-3
-    assert len(ran) == len(norm._PLANS) == 5  # the three in-place calls, and the two forwards with stats
+    assert len(ran) == len(plan.CALLS) == 5  # the three in-place calls, and the two forwards with stats
 
 
 def test_gpu_bad_inputs(rng):

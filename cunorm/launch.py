@@ -1,0 +1,222 @@
+"""What a planned call does on every repeat: launches with arguments packed
+once, outputs from the caller's allocator, and the one check that depends on
+addresses.
+
+`Launch` holds a kernel's parameters in one array of 8-byte slots written at
+planning; a call writes only its pointers and per-call scalars into their
+slots and hands the array to cuLaunchKernel (CuPy's driver binding): no
+argument objects, no CuPy kernel wrapper. `CallPlan.run` is the whole of a
+repeated call: copies the plan asks for, fresh outputs, the `out=` overlap
+test, the launches, the result. Names are resolved to positions once, when
+the plan is built, so a call moves lists, not dictionaries.
+"""
+from __future__ import annotations
+
+import array
+import math
+import operator
+import struct
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+
+_SLOT_TYPES = ("ptr", "i64", "i32", "u32", "f32")
+_F32 = struct.Struct("<f")
+_U32 = struct.Struct("<I")
+
+
+def f32_bits(value: float) -> int:
+    """The bits of `value` as a float32, in the low half of a slot."""
+    return _U32.unpack(_F32.pack(value))[0]
+
+
+class Launch:
+    """One kernel launch. `args` lists the kernel's parameters in order:
+    ("ptr", name) (a pointer among the call's values; 0 when absent),
+    ("i64" | "i32" | "u32", int), ("f32", float, or the name of a per-call
+    scalar). `bind` turns names into positions; a call then writes every
+    named slot with one `struct.pack_into` (constant slots are skipped, so
+    they keep what planning wrote) and launches."""
+
+    def __init__(self, kernel, grid: int, args: list):
+        self.kernel, self.grid, self.args = kernel, grid, args
+        self.function = kernel.function.kernel.ptr
+        self.threads, self.smem = kernel.threads, kernel.smem
+        packed = np.zeros(max(1, len(args)), np.uint64)
+        for i, (kind, value) in enumerate(args):
+            if kind not in _SLOT_TYPES:
+                raise ValueError(f"unknown parameter kind {kind!r}")
+            if kind == "i64":
+                packed.view(np.int64)[i] = value
+            elif kind in ("i32", "u32"):
+                packed.view(np.uint32)[2 * i] = np.uint32(value % 2**32)
+            elif kind == "f32" and not isinstance(value, str):
+                packed.view(np.float32)[2 * i] = value
+        self.slots = array.array("Q", packed.tobytes())
+        address = self.slots.buffer_info()[0]
+        # The parameter array cuLaunchKernel reads: the address of each slot.
+        self._params = array.array("Q", (address + 8 * i for i in range(len(self.slots))))
+        self.params = self._params.buffer_info()[0]
+        self._pack = None
+
+    def bind(self, positions: dict):
+        """Resolves the names of pointers and per-call scalars to positions in
+        the call's values; a pointer with no position stays 0. Consecutive
+        per-call slots are written by one `struct.pack_into` each (constant
+        slots are never written again)."""
+        runs = []  # [first slot, [positions]]
+        for i, (kind, value) in enumerate(self.args):
+            at = positions.get(value) if kind == "ptr" or (kind == "f32" and isinstance(value, str)) else None
+            if at is None:
+                continue
+            if runs and runs[-1][0] + len(runs[-1][1]) == i:
+                runs[-1][1].append(at)
+            else:
+                runs.append([i, [at]])
+        packers = []
+        for first, picks in runs:
+            packer, getter = struct.Struct(f"<{len(picks)}Q").pack_into, operator.itemgetter(*picks)
+            if len(picks) == 1:
+                packers.append(lambda values, p=packer, g=getter, o=8 * first: p(self.slots, o, g(values)))
+            else:
+                packers.append(lambda values, p=packer, g=getter, o=8 * first: p(self.slots, o, *g(values)))
+        self._pack = packers[0] if len(packers) == 1 else (
+            (lambda values: [p(values) for p in packers]) if packers else None)
+
+    def __call__(self, values: list, stream: int):
+        if self._pack is not None:
+            self._pack(values)
+        _launch(self.function, self.grid, 1, 1, self.threads, 1, 1, self.smem, stream, self.params, 0)
+
+
+def _current_device() -> int:
+    from cupy_backends.cuda.api.runtime import getDevice
+
+    global _current_device
+    _current_device = getDevice  # looked up once
+    return getDevice()
+
+
+def _launch(*args):
+    from cupy_backends.cuda.api.driver import launchKernel
+
+    global _launch
+    _launch = launchKernel  # looked up once
+    launchKernel(*args)
+
+
+@dataclass(frozen=True)
+class Output:
+    """An array a call allocates: `offset` elements past an aligned start (so
+    that it sits at x's offset from a vector boundary)."""
+
+    name: str
+    shape: tuple
+    dtype: np.dtype
+    offset: int = 0
+    like: str | None = None  # an argument of this shape and dtype, C-contiguous: kinds may allocate "like" it
+
+
+def span(shape: tuple, strides: tuple, itemsize: int) -> int:
+    """Bytes from an array's first element to one past its last (non-negative strides)."""
+    if math.prod(shape) == 0:
+        return 0
+    return sum((n - 1) * s for n, s in zip(shape, strides)) + itemsize
+
+
+class CallPlan:
+    """Everything a repeated call with one cache key does.
+
+    names: the call's array arguments in key order. launches: Launch objects
+    whose pointers name arguments, outputs or scratch. outputs: allocated per
+    call through the caller's kind. scratch: (name, bytes) of working memory,
+    one raw allocation per call, released (stream-ordered) once the launches
+    are queued. copies: arguments copied to fresh contiguous arrays on every
+    call (layouts the kernels cannot read in place). zeros: outputs filled
+    with 0 (column sums of no rows). given_out: (argument, output) when
+    `out=` replaces that output; checked against the inputs' `spans`
+    (disjoint extents pass at once; anything else goes to
+    `full_overlap_check(objs)`, the first call's exact test, which raises).
+    scalars: names of per-call float32 scalars. result(objs, outputs): the
+    return value.
+    """
+
+    def __init__(self, kind, device_id: int, names: tuple, launches: tuple, *, outputs=(), scratch=(), copies=(),
+                 zeros=(), given_out=None, spans=None, full_overlap_check=None, scalars=(), result=None):
+        self.kind, self.device_id, self.names, self.launches = kind, device_id, tuple(names), tuple(launches)
+        self.outputs, self.scratch, self.zeros = tuple(outputs), tuple(scratch), tuple(zeros)
+        self.given_out, self.full_overlap_check, self.result = given_out, full_overlap_check, result
+        self.copies = tuple(self.names.index(c) for c in copies)
+        self.spans = tuple((self.names.index(k), s) for k, s in (spans or {}).items() if s)
+        self.out_at = None if given_out is None else self.names.index(given_out[0])
+        self.out_span = dict(self.spans).get(self.out_at, 0)
+        self.make_outputs = kind.allocation([(o.shape, o.dtype, o.offset, None if o.like is None else
+                                              self.names.index(o.like)) for o in self.outputs])
+        # Positions of every pointer a launch may name: arguments, outputs, scratch, then the scalars.
+        positions = {name: i for i, name in enumerate(self.names)}
+        for o in self.outputs:
+            positions[o.name] = len(positions)
+        self.scratch_starts, total = [], 0
+        for name, nbytes in self.scratch:
+            positions[name] = len(positions)
+            self.scratch_starts.append(total)
+            total += -(-nbytes // 256) * 256
+        self.scratch_bytes = total
+        for name in scalars:
+            positions[name] = len(positions)
+        if given_out is not None:
+            positions[given_out[1]] = self.out_at
+        self.zero_at = tuple(positions[z] - len(self.names) for z in self.zeros)
+        for launch in self.launches:
+            launch.bind(positions)
+        self.lock = threading.Lock()  # one set of packed slots per launch: fill and launch together
+
+    def run(self, objs: tuple, ptrs: list, scalars: tuple = ()):
+        """The call: `objs` its array arguments in `names` order (None:
+        absent), `ptrs` their data pointers (0: absent), `scalars` the
+        float32 bits of the per-call scalars (`f32_bits`)."""
+        if _current_device() != self.device_id:
+            import cupy
+
+            with cupy.cuda.Device(self.device_id):
+                return self._run(objs, ptrs, scalars)
+        return self._run(objs, ptrs, scalars)
+
+    def _run(self, objs: tuple, ptrs: list, scalars: tuple):
+        if self.out_at is not None:
+            self._check_out(objs, ptrs)
+        keep = None  # copies and scratch live until the launches are queued (stream-ordered pools)
+        if self.copies:
+            ptrs, keep = list(ptrs), []
+            for i in self.copies:
+                if objs[i] is not None:
+                    copy = self.kind.copy(objs[i])
+                    keep.append(copy)
+                    ptrs[i] = self.kind.describe(copy).ptr
+        made, made_ptrs = self.make_outputs(self.device_id, objs)
+        for i in self.zero_at:
+            self.kind.zero(made[i])
+        if self.launches:
+            values = ptrs + made_ptrs
+            if self.scratch_bytes:
+                keep, base = self.kind.raw(self.device_id, self.scratch_bytes)
+                values += [base + start for start in self.scratch_starts]
+            if scalars:
+                values += scalars
+            stream = self.kind.stream(self.device_id)
+            with self.lock:
+                for launch in self.launches:
+                    launch(values, stream)
+        return self.result(objs, made)
+
+    def _check_out(self, objs: tuple, ptrs: list):
+        o0 = ptrs[self.out_at]
+        o1 = o0 + self.out_span
+        for i, s in self.spans:
+            p = ptrs[i]
+            if i == self.out_at or not p:
+                continue
+            if not (o1 <= p or p + s <= o0):  # extents meet: the exact test decides (and raises)
+                self.full_overlap_check(dict(zip(self.names, objs)))
+                return

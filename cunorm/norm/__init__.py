@@ -1,0 +1,154 @@
+"""LayerNorm and RMSNorm, forward and backward.
+
+A call is keyed by its arrays' layouts and its flags (`cunorm.plan.call_key`):
+a repeated call runs its cached `launch.CallPlan` at once; a first call is
+validated (`calls`), laid out and planned (`plans`), cached, then run the
+same way. numpy arrays take the float64 reference (`cpu`). The flags in a
+key are exactly the arguments that change what runs (eps is a per-call
+value: checked when first seen, then looked up).
+"""
+from __future__ import annotations
+
+from .. import plan
+from ..launch import f32_bits
+from . import calls, cpu, plans
+from .calls import BACKWARD, FORWARD, call_base  # noqa: F401  (call_base: the checker's dispatch fields)
+
+
+def _objs_and_ptrs(args: dict, names: tuple) -> tuple:
+    objs = tuple(None if args.get(k) is None else args[k].array.obj for k in names)
+    ptrs = [0 if args.get(k) is None else args[k].array.ptr for k in names]
+    return objs, ptrs
+
+
+_EPS: dict = {}  # eps as given -> (float32 bits,): checked once per value
+_CALLS = plan.CALLS
+_call_key = plan.call_key
+
+
+def _eps_bits(eps) -> tuple:
+    try:
+        bits = _EPS.get(eps)
+    except TypeError:  # unhashable: checked below, and refused
+        bits = None
+    if bits is None:
+        bits = (f32_bits(calls.check_eps(eps)),)
+        if len(_EPS) < 256:
+            _EPS[eps] = bits
+    return bits
+
+
+# Each public op first tries its cached plan (`plan.call_key`: the flags,
+# then each array's layout); a miss goes through `_forward` / `_backward`.
+
+def _forward(rms, key, ptrs, x, weight, bias, eps, residual, residual_dtype, zero_centered_weight, return_stats,
+             out_dtype, out, traits):
+    args, on_gpu, base, eps = calls.forward_args(rms, x, weight, bias, eps, residual, residual_dtype,
+                                                 zero_centered_weight, out_dtype, out)
+    if not on_gpu:
+        return cpu.forward(args, base, eps, rms, return_stats)
+    with plan.on_device(args["x"].array.device_id):
+        call, _ = plans.forward_plan(args, base, traits, rms, bool(return_stats))
+    plan.remember(key, call)
+    return call.run(*_objs_and_ptrs(args, FORWARD.arrays), _eps_bits(eps))
+
+
+def _backward(rms, key, dy, x, mean, rstd, weight, has_bias, bias_dtype, dresidual, zero_centered_weight, out,
+              traits):
+    args, on_gpu, base = calls.backward_args(rms, dy, x, mean, rstd, weight, has_bias, bias_dtype, dresidual,
+                                             zero_centered_weight, out)
+    if not on_gpu:
+        return cpu.backward(args, base, rms)
+    with plan.on_device(args["x"].array.device_id):
+        call, _ = plans.backward_plan(args, base, traits, rms)
+    plan.remember(key, call)
+    return call.run(*_objs_and_ptrs(args, BACKWARD.arrays))
+
+
+def layer_norm(x, weight=None, bias=None, eps=1e-5, *, residual=None, residual_dtype=None,
+               zero_centered_weight=False, return_stats=False, out_dtype=None, out=None, traits=None):
+    """LayerNorm over the last axis: y = (h - mean) / sqrt(var + eps) * w + bias,
+    where h = x, or h = x + residual (summed in fp32) when a residual is given,
+    and w = weight, or 1 + weight with `zero_centered_weight=True` (in fp32).
+
+    Returns y (in `out_dtype`, default x's dtype; written into `out` when given,
+    which may be x itself). With a residual, (y, residual_out) where
+    residual_out = h in `residual_dtype` (default the residual's dtype). With
+    `return_stats=True`, mean and rstd (float32, shape x.shape[:-1]) follow.
+
+    x, residual and out: any hidden size, read and written in place when the
+    last axis has unit stride and the leading axes merge into one row stride
+    (other input layouts are copied first). weight and bias: optional, any
+    dtype of fp32/fp16/bf16 each, any non-negative stride (0 broadcasts one
+    value). CuPy arrays run on CuPy's current stream and return CuPy arrays;
+    torch tensors run on torch's current stream and return torch tensors;
+    numpy arrays run the float64 reference. eps >= 0; a row of one element
+    normalizes to 0 (y = bias). NaN or inf in a row makes that row's outputs NaN.
+    `traits`: a cunorm.Traits or a mapping of its knobs, to force a kernel.
+    """
+    values = (x, weight, bias, residual, out)
+    key, ptrs = _call_key(values, (0, residual_dtype, zero_centered_weight, return_stats, out_dtype, traits))
+    hit = _CALLS.get(key)
+    if hit is not None:
+        try:
+            bits = _EPS[eps]
+        except (KeyError, TypeError):
+            bits = _eps_bits(eps)
+        return hit.run(values, ptrs, bits)
+    return _forward(False, key, ptrs, x, weight, bias, eps, residual, residual_dtype, zero_centered_weight,
+                    return_stats, out_dtype, out, traits)
+
+
+def rms_norm(x, weight=None, eps=1e-6, *, residual=None, residual_dtype=None, zero_centered_weight=False,
+             return_stats=False, out_dtype=None, out=None, traits=None):
+    """RMSNorm over the last axis: y = h * rstd * w with rstd = 1 / sqrt(mean(h^2) + eps),
+    h = x or x + residual (fp32), w = weight or 1 + weight (`zero_centered_weight`).
+
+    Returns y; with a residual (y, residual_out); with `return_stats=True` the
+    float32 rstd is appended. Layouts, dtypes, `out=` and `traits=` as in
+    `layer_norm`.
+    """
+    values = (x, weight, None, residual, out)
+    key, ptrs = _call_key(values, (1, residual_dtype, zero_centered_weight, return_stats, out_dtype, traits))
+    hit = _CALLS.get(key)
+    if hit is not None:
+        try:
+            bits = _EPS[eps]
+        except (KeyError, TypeError):
+            bits = _eps_bits(eps)
+        return hit.run(values, ptrs, bits)
+    return _forward(True, key, ptrs, x, weight, None, eps, residual, residual_dtype, zero_centered_weight,
+                    return_stats, out_dtype, out, traits)
+
+
+def layer_norm_backward(dy, x, mean, rstd, weight=None, *, has_bias=True, bias_dtype=None, dresidual=None,
+                        zero_centered_weight=False, out=None, traits=None):
+    """Gradients of `layer_norm` given dy and the forward's saved mean and rstd.
+
+    x is what was normalized (residual_out when a residual was used). Returns
+    (dx, dweight, dbias): dx in x's dtype (written into `out` when given, which
+    may be dy or dresidual itself), plus dresidual when given (the skip path's
+    gradient, so dx is then the gradient of both x and the residual); dweight
+    (None without a weight) in the weight's dtype; dbias (None unless has_bias)
+    in `bias_dtype` (default the weight's dtype, float32 without a weight).
+    Accumulated in fp32, bitwise reproducible run to run. dweight does not change
+    with zero_centered_weight.
+    """
+    values = (dy, x, mean, rstd, weight, dresidual, out)
+    key, ptrs = _call_key(values, (2, has_bias, bias_dtype, zero_centered_weight, traits))
+    hit = _CALLS.get(key)
+    if hit is not None:
+        return hit.run(values, ptrs)
+    return _backward(False, key, dy, x, mean, rstd, weight, has_bias, bias_dtype, dresidual, zero_centered_weight,
+                     out, traits)
+
+
+def rms_norm_backward(dy, x, rstd, weight=None, *, dresidual=None, zero_centered_weight=False, out=None,
+                      traits=None):
+    """Gradients of `rms_norm`: (dx, dweight), as in `layer_norm_backward`."""
+    values = (dy, x, None, rstd, weight, dresidual, out)
+    key, ptrs = _call_key(values, (3, zero_centered_weight, traits))
+    hit = _CALLS.get(key)
+    if hit is not None:
+        return hit.run(values, ptrs)
+    return _backward(True, key, dy, x, None, rstd, weight, False, None, dresidual, zero_centered_weight, out, traits)

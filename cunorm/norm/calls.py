@@ -1,0 +1,157 @@
+"""Validation of a normalization call: every argument checked, named in its
+errors, and the call reduced to its dispatch fields (`call_base`). Both the
+GPU path and the numpy path start here, so they refuse the same things."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .. import arrays, dtypes
+
+ABSENT_DTYPE = "float32"  # the dtype named for an absent weight, bias or residual (keeps one compile per shape)
+
+
+@dataclass(frozen=True)
+class Direction:
+    """What a direction's call lays out and checks its `out=` against."""
+
+    arrays: tuple  # a call's arrays, in signature order ("out" last)
+    row_inputs: tuple  # inputs read as row tensors, x first
+    weights: tuple  # weight-like inputs (vectors, statistics): read, never written
+    in_place: dict  # {output name: the inputs it may be exactly}
+
+
+FORWARD = Direction(("x", "weight", "bias", "residual", "out"), ("x", "residual"), ("weight", "bias"),
+                    {"out": ("x",)})
+BACKWARD = Direction(("dy", "x", "mean", "rstd", "weight", "dresidual", "out"), ("x", "dy", "dresidual"),
+                     ("weight", "mean", "rstd"), {"out": ("dy", "dresidual")})
+
+
+def hidden_size(x: arrays.Arg) -> int:
+    if x.array.ndim < 1:
+        raise ValueError(f"{x.name}: needs at least one axis (the normalized last axis), got a 0-d array")
+    n = x.array.shape[-1]
+    if n == 0:
+        raise ValueError(f"{x.name}: the last axis (hidden size) is empty; there is nothing to normalize")
+    return n
+
+
+def check_eps(eps) -> float:
+    try:
+        e = float(eps)
+    except (TypeError, ValueError):
+        raise TypeError(f"eps: expected a float, got {type(eps).__name__}") from None
+    if not math.isfinite(e) or e < 0:
+        raise ValueError(f"eps: must be finite and >= 0, got {eps}")
+    return e
+
+
+def _vector_arg(a, n: int) -> str:
+    """Checks a weight-like argument (shape (N,), any dtype of ours, any
+    non-negative stride) and returns its dtype name; ABSENT_DTYPE for None."""
+    if a is None:
+        return ABSENT_DTYPE
+    d = arrays.check_dtype(a)
+    arrays.check_shape(a, (n,), "x's last axis")
+    return d
+
+
+def _dtype_arg(name: str, value, default: str) -> str:
+    if value is None:
+        return default
+    try:
+        return dtypes.name_of(value)
+    except ValueError as e:
+        raise TypeError(f"{name}: {e}") from None
+
+
+def _zero_centered(flag, weight):
+    if flag and weight is None:
+        raise ValueError("zero_centered_weight: needs a weight (the multiplier is 1 + weight)")
+    return bool(flag)
+
+
+def _out_dtype(out, out_dtype, default: str, what: str) -> str:
+    """The dtype of an output that may be given (`out=`) or asked for (`out_dtype=`)."""
+    want = _dtype_arg("out_dtype", out_dtype, None) if out_dtype is not None else None
+    if out is None:
+        return want or default
+    have = arrays.check_dtype(out)
+    if want is not None and want != have:
+        raise TypeError(f"out: dtype {have} differs from out_dtype {want}")
+    if what and have != default:
+        raise TypeError(f"out: dtype {have} must be {what} ({default})")
+    return have
+
+
+def call_base(*, rms: bool, backward: bool, hidden_size: int, input_dtype: str, output_dtype: str,
+              weight_dtype: str | None, bias_dtype: str | None, residual_dtype: str | None,
+              zero_centered: bool, residual_out_dtype: str | None = None) -> dict:
+    """The dispatch fields of a call (absent arguments: None dtypes). The
+    residual read (forward) or dresidual (backward) and the residual_out
+    written (forward only) are two tensors with a dtype each: residual_out
+    defaults to the residual's dtype."""
+    if residual_out_dtype is not None and (backward or residual_dtype is None):
+        raise ValueError("residual_out_dtype: only a forward call with a residual writes residual_out")
+    return dict(hidden_size=hidden_size, input_dtype=input_dtype, output_dtype=output_dtype,
+                weight_dtype=weight_dtype or ABSENT_DTYPE, bias_dtype=bias_dtype or ABSENT_DTYPE,
+                residual_dtype=residual_dtype or ABSENT_DTYPE,
+                residual_out_dtype=ABSENT_DTYPE if backward else (residual_out_dtype or residual_dtype
+                                                                  or ABSENT_DTYPE),
+                has_weight=weight_dtype is not None, has_bias=bias_dtype is not None, rms=rms,
+                has_residual=residual_dtype is not None, zero_centered=zero_centered, backward=backward)
+
+
+def forward_args(rms, x, weight, bias, eps, residual, residual_dtype, zero_centered_weight, out_dtype, out):
+    """Validates a forward call. Returns (args, on_gpu, base, eps)."""
+    args, on_gpu = arrays.take_all({"x": x}, {"weight": weight, "bias": bias, "residual": residual, "out": out})
+    X, W, B, R, O = (args[k] for k in FORWARD.arrays)
+    x_dtype = arrays.check_dtype(X)
+    n = hidden_size(X)
+    w_dtype, b_dtype = _vector_arg(W, n), _vector_arg(B, n)
+    if R is not None:
+        arrays.check_dtype(R)
+        arrays.check_shape(R, X.array.shape, "x's shape")
+    elif residual_dtype is not None:
+        raise ValueError("residual_dtype: given without a residual")
+    res_dtype = R.dtype_name if R is not None else None  # the residual as read
+    res_out_dtype = _dtype_arg("residual_dtype", residual_dtype, res_dtype)  # residual_out as written
+    if O is not None:
+        arrays.check_shape(O, X.array.shape, "x's shape")
+    y_dtype = _out_dtype(O, out_dtype, x_dtype, "")
+    base = call_base(rms=rms, backward=False, hidden_size=n, input_dtype=x_dtype, output_dtype=y_dtype,
+                     weight_dtype=w_dtype if W is not None else None, bias_dtype=b_dtype if B is not None else None,
+                     residual_dtype=res_dtype, residual_out_dtype=res_out_dtype,
+                     zero_centered=_zero_centered(zero_centered_weight, W))
+    return args, on_gpu, base, check_eps(eps)
+
+
+def backward_args(rms, dy, x, mean, rstd, weight, has_bias, bias_dtype, dresidual, zero_centered_weight, out):
+    """Validates a backward call. Returns (args, on_gpu, base); args["mean"] is None for RMSNorm."""
+    required = {"dy": dy, "x": x} | ({} if rms else {"mean": mean}) | {"rstd": rstd}
+    args, on_gpu = arrays.take_all(required, {"weight": weight, "dresidual": dresidual, "out": out})
+    args.setdefault("mean", None)
+    X, DY, W, DR, O = (args[k] for k in ("x", "dy", "weight", "dresidual", "out"))
+    x_dtype = arrays.check_dtype(X)
+    n = hidden_size(X)
+    dy_dtype = arrays.check_dtype(DY)
+    arrays.check_shape(DY, X.array.shape, "x's shape")
+    lead = tuple(X.array.shape[:-1])
+    for name in ("mean", "rstd"):
+        if args[name] is not None:
+            arrays.check_dtype(args[name], ("float32",))
+            arrays.check_shape(args[name], lead, "x.shape[:-1]")
+    w_dtype = _vector_arg(W, n)
+    if DR is not None:
+        arrays.check_dtype(DR)
+        arrays.check_shape(DR, DY.array.shape, "dy's shape")
+    if O is not None:
+        arrays.check_shape(O, X.array.shape, "x's shape")
+        _out_dtype(O, None, x_dtype, "x's dtype")
+    has_bias = bool(has_bias) and not rms
+    b_dtype = _dtype_arg("bias_dtype", bias_dtype, w_dtype) if has_bias else None
+    base = call_base(rms=rms, backward=True, hidden_size=n, input_dtype=x_dtype, output_dtype=dy_dtype,
+                     weight_dtype=w_dtype if W is not None else None, bias_dtype=b_dtype,
+                     residual_dtype=DR.dtype_name if DR is not None else None,
+                     zero_centered=_zero_centered(zero_centered_weight, W))
+    return args, on_gpu, base

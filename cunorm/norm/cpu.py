@@ -1,0 +1,51 @@
+"""The numpy path: validated calls on numpy arrays run the float64 reference
+on the CPU and return numpy arrays in the dtypes the GPU path would."""
+from __future__ import annotations
+
+import numpy as np
+
+from .. import dtypes, reference
+
+
+def _arr(a):
+    return None if a is None else a.array
+
+
+def forward(args: dict, base: dict, eps: float, rms: bool, return_stats: bool):
+    X, W, B, R, O = (args[k] for k in ("x", "weight", "bias", "residual", "out"))
+    zc = base["zero_centered"]
+    h = reference.add_residual(X.array, _arr(R))
+    if rms:
+        y, rstd = reference.rms_norm(h, _arr(W), eps, zero_centered_weight=zc)
+        stats = [rstd]
+    else:
+        y, mean, rstd = reference.layer_norm(h, _arr(W), _arr(B), eps, zero_centered_weight=zc)
+        stats = [mean, rstd]
+    y = y.astype(dtypes.numpy_dtype(base["output_dtype"]))
+    if O is not None:
+        O.array[...] = y
+        y = O.array
+    values = [y]
+    if R is not None:
+        values.append(h.astype(dtypes.numpy_dtype(base["residual_out_dtype"])))
+    if return_stats:
+        values += [s.astype(np.float32) for s in stats]
+    return values[0] if len(values) == 1 else tuple(values)
+
+
+def backward(args: dict, base: dict, rms: bool):
+    X, DY, W, DR, O = (args[k] for k in ("x", "dy", "weight", "dresidual", "out"))
+    zc = base["zero_centered"]
+    w_np, b_np = dtypes.numpy_dtype(base["weight_dtype"]), dtypes.numpy_dtype(base["bias_dtype"])
+    if rms:
+        dx, dw = reference.rms_norm_backward(DY.array, X.array, args["rstd"].array, _arr(W), dresidual=_arr(DR),
+                                             zero_centered_weight=zc)
+    else:
+        dx, dw, db = reference.layer_norm_backward(DY.array, X.array, args["mean"].array, args["rstd"].array,
+                                                   _arr(W), dresidual=_arr(DR), zero_centered_weight=zc)
+    dx = dx.astype(X.array.dtype)
+    if O is not None:
+        O.array[...] = dx
+        dx = O.array
+    dw = None if dw is None else dw.astype(w_np)
+    return (dx, dw) if rms else (dx, dw, db.astype(b_np) if base["has_bias"] else None)

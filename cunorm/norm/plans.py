@@ -1,0 +1,244 @@
+"""Planning a GPU normalization call: lay the arrays out as rows
+(`cunorm.layout`), pick traits and compile (`cunorm.plan`), and pack the
+launches into a `launch.CallPlan` that every later call with the same cache
+key reuses."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .. import dispatch, dtypes, layout, plan
+from ..launch import CallPlan, Launch, Output, span
+from ..traits import Traits
+from .calls import BACKWARD, FORWARD, Direction
+
+F32 = np.dtype(np.float32)
+
+
+class Family:
+    """The normalization kernel family, for cunorm.plan."""
+
+    traits_class = Traits
+
+    @staticmethod
+    def choose(arch: int, **call) -> Traits:
+        return dispatch.choose(arch=arch, **call)[0]
+
+    @staticmethod
+    def from_knobs(knobs: dict, **call) -> Traits:
+        return dispatch.from_knobs(knobs, **call)
+
+
+@dataclass
+class Prepared:
+    """A validated GPU call: its row tensors (outputs to be allocated stand in
+    as fresh contiguous rows), the dispatch call and what explain reports."""
+
+    base: dict
+    rows: dict  # name -> layout.Rows (None: absent)
+    n: int
+    row_count: int
+    in_place: dict = field(default_factory=dict)
+
+    def row_list(self) -> list:
+        return [r for r in self.rows.values() if r is not None]
+
+    def resolve(self, traits, device_id: int):
+        return plan.resolve(Family, traits, self.base, device_id)
+
+    def grid_groups(self, kernel, t: Traits) -> int:
+        """Row groups of a persistent grid: one wave of CTAs, each walking many
+        rows; a multiple of the shift period (general kernel), so that every
+        row of a thread sits at the same offset from a vector boundary."""
+        groups = -(-self.row_count // t.rows_per_cta)
+        groups = min(groups, kernel.resident_clusters)  # a row group is one cluster (of CTAS_PER_ROW CTAs)
+        x = self.rows["x"]
+        period = 1 if t.aligned_rows else layout.shift_period(x.ld, x.rows, t.elts_per_ldg)
+        step = period // math.gcd(period, t.rows_per_cta)
+        # Down to whole periods (CTAs left over would run as a second wave, doubling the time), or up to one.
+        return max(step, groups // step * step)
+
+
+def check_outputs(d: Direction, outputs: list, rows: dict, args: dict, n: int):
+    """`layout.check_outputs` of given outputs (row views) against the row
+    inputs' views `rows` and the weight-like arguments, in the direction's order."""
+    weights = [w for w in (args.get(k) for k in d.weights) if w is not None]
+    layout.check_outputs(outputs, [r for r in rows.values() if r is not None] + weights, n, d.in_place)
+
+
+def prepare(d: Direction, args: dict, outputs: dict, base: dict) -> Prepared:
+    """Row views of the inputs (copies for layouts the kernels cannot read),
+    given outputs checked for overlap, the vector widths the layout allows."""
+    n = base["hidden_size"]
+    for k in d.weights:
+        if args.get(k) is not None:
+            layout.check_elements(args[k])
+    rows = {name: None if args.get(name) is None else layout.rows_of(args[name], n) for name in d.row_inputs}
+    out_rows = {}
+    offset = layout.mirrored_offset(rows["x"], dtypes.itemsize(base["input_dtype"]))
+    for name, given in outputs.items():
+        out_rows[name] = (layout.rows_of(given, n, output=True) if given is not None
+                          else layout.fresh_rows(name, rows["x"].rows, n, offset))
+    check_outputs(d, [r for r in out_rows.values() if r.array is not None], rows, args, n)
+    rows.update(out_rows)
+    present = [r for r in rows.values() if r is not None]
+    max_vector, aligned_vector = layout.vector_widths(present, n, dtypes.itemsize(base["input_dtype"]))
+    base = dict(base, max_vector=max_vector, aligned_vector=aligned_vector)
+    return Prepared(base, rows, n, rows["x"].rows, d.in_place)
+
+
+def forward_prepare(args: dict, base: dict) -> Prepared:
+    outputs = {"y" if args["out"] is None else "out": args["out"]}
+    if args["residual"] is not None:
+        outputs["residual_out"] = None
+    return prepare(FORWARD, args, outputs, base)
+
+
+def backward_prepare(args: dict, base: dict) -> Prepared:
+    return prepare(BACKWARD, args, {"dx" if args["out"] is None else "out": args["out"]}, base)
+
+
+def _weight_layout(a, t: Traits) -> tuple:
+    """(copied per call?, stride in elements) of a weight as the kernel reads
+    it. The general kernel reads any non-negative stride (0 broadcasts one
+    value) in place; the aligned kernel loads whole vectors, so a strided,
+    broadcast or unaligned weight is copied for it (N elements, documented)."""
+    if a is None:
+        return False, 0
+    w = a.array
+    stride = w.strides[0] // w.itemsize if w.shape[0] > 1 else 1
+    if t.aligned_rows and (stride != 1 or w.ptr % min(16, t.elts_per_ldg * w.itemsize)):
+        return True, 1
+    return False, stride
+
+
+def _ld(r) -> tuple:
+    return ("i64", 0 if r is None else r.ld)
+
+
+def _overlap_check(d: Direction, n: int):
+    """The exact `out=` overlap check of a first call, for a cached plan whose
+    cheap extent test found an input's extent meeting out's."""
+    from .. import arrays
+
+    def check(objs: dict):
+        taken = {name: None if o is None else arrays.take(o, name) for name, o in objs.items()}
+        rows = {name: layout.rows_of(taken[name], n) for name in d.row_inputs if taken.get(name) is not None}
+        check_outputs(d, [layout.rows_of(taken["out"], n, output=True)], rows, taken, n)
+
+    return check
+
+
+def _spans(d: Direction, args: dict) -> dict:
+    return {name: span(a.array.shape, a.array.strides, a.array.itemsize)
+            for name, a in args.items() if a is not None and name in d.arrays}
+
+
+def _picker(picks: list):
+    """The result of a call from its outputs: picks are ("made", index) (an
+    allocated output), ("arg", index) (a given `out=`) or None (an absent gradient)."""
+    def one(pick):
+        return None if pick is None else pick[0], None if pick is None else pick[1]
+
+    picks = [one(p) for p in picks]
+    if len(picks) == 1:
+        src, i = picks[0]
+        return (lambda objs, made: made[i]) if src == "made" else (lambda objs, made: objs[i])
+
+    def result(objs, made):
+        return tuple(None if src is None else made[i] if src == "made" else objs[i] for src, i in picks)
+
+    return result
+
+
+def forward_plan(args: dict, base: dict, traits, rms: bool, return_stats: bool) -> tuple:
+    """(CallPlan, Prepared) of a validated forward call on the GPU."""
+    X, W, B, R, O = (args[k] for k in FORWARD.arrays)
+    x = X.array
+    device = x.device_id
+    p = forward_prepare(args, base)
+    t, kernels = p.resolve(traits, device)
+    shape, lead = tuple(x.shape), tuple(x.shape[:-1])
+    y_row = p.rows["y" if O is None else "out"]
+    outputs, picks = [], []
+    # A fresh output of x's dtype beside a C-contiguous x may be allocated like x.
+    like_x = "x" if x.c_contiguous and not p.rows["x"].copied else None
+    if O is None:
+        picks.append(("made", len(outputs)))
+        y_dtype = dtypes.numpy_dtype(base["output_dtype"])
+        outputs.append(Output("y", shape, y_dtype, y_row.offset, like_x if y_dtype == x.dtype else None))
+    else:
+        picks.append(("arg", FORWARD.arrays.index("out")))
+    if R is not None:
+        picks.append(("made", len(outputs)))
+        outputs.append(Output("residual_out", shape, dtypes.numpy_dtype(base["residual_out_dtype"]),
+                              p.rows["residual_out"].offset))
+    if return_stats:
+        for name in ("rstd",) if rms else ("mean", "rstd"):
+            picks.append(("made", len(outputs)))
+            outputs.append(Output(name, lead, F32))
+    (copy_w, w_stride), (copy_b, b_stride) = _weight_layout(W, t), _weight_layout(B, t)
+    copies = [name for name in FORWARD.row_inputs if p.rows[name] is not None and p.rows[name].copied]
+    copies += ["weight"] * copy_w + ["bias"] * copy_b
+    launches = []
+    if p.row_count:
+        k = kernels["norm_fwd"]
+        launches.append(Launch(k, p.grid_groups(k, t) * t.ctas_per_row, [
+            ("ptr", "x"), ("ptr", "residual"), ("ptr", "weight"), ("ptr", "bias"), ("ptr", "y"),
+            ("ptr", "residual_out"), ("ptr", "mean"), ("ptr", "rstd"), ("i64", p.row_count), _ld(p.rows["x"]),
+            _ld(p.rows["residual"]), _ld(y_row), _ld(p.rows.get("residual_out")), ("i64", w_stride),
+            ("i64", b_stride), ("f32", "eps")]))
+    return CallPlan(x.kind, device, FORWARD.arrays, tuple(launches), outputs=outputs, copies=copies,
+                    given_out=None if O is None else ("out", "y"), spans=_spans(FORWARD, args),
+                    full_overlap_check=_overlap_check(FORWARD, p.n), scalars=("eps",), result=_picker(picks)), p
+
+
+def backward_plan(args: dict, base: dict, traits, rms: bool) -> tuple:
+    """(CallPlan, Prepared) of a validated backward call on the GPU."""
+    X, W, O = args["x"], args["weight"], args["out"]
+    x = X.array
+    device, n = x.device_id, base["hidden_size"]
+    p = backward_prepare(args, base)
+    t, kernels = p.resolve(traits, device)
+    dx_row = p.rows["dx" if O is None else "out"]
+    outputs, picks = [], []
+    if O is None:
+        picks.append(("made", 0))
+        like_x = "x" if x.c_contiguous and not p.rows["x"].copied else None
+        outputs.append(Output("dx", tuple(x.shape), x.dtype, dx_row.offset, like_x))
+    else:
+        picks.append(("arg", BACKWARD.arrays.index("out")))
+    for name, present, dtype in (("dweight", t.has_weight, base["weight_dtype"]),
+                                 ("dbias", t.has_bias, base["bias_dtype"]))[:1 if rms else 2]:
+        picks.append(("made", len(outputs)) if present else None)
+        if present:
+            outputs.append(Output(name, (n,), dtypes.numpy_dtype(dtype)))
+    copy_w, w_stride = _weight_layout(W, t)
+    copies = [name for name in BACKWARD.row_inputs if p.rows[name] is not None and p.rows[name].copied]
+    # mean and rstd are read by row number: a strided view is copied (documented).
+    copies += [s for s in ("mean", "rstd") if args[s] is not None and not args[s].array.c_contiguous]
+    copies += ["weight"] * copy_w
+    launches, scratch, zeros = [], [], []
+    sums = t.has_weight or t.has_bias
+    if p.row_count:
+        k = kernels["norm_bwd"]
+        parts = p.grid_groups(k, t)
+        if sums:  # per-CTA column sums, one [parts, N] fp32 block each for dgamma and dbeta
+            scratch += [("dgamma_part", 4 * parts * n), ("dbeta_part", 4 * parts * n)]
+        launches.append(Launch(k, parts * t.ctas_per_row, [
+            ("ptr", "dy"), ("ptr", "x"), ("ptr", "dresidual"), ("ptr", "mean"), ("ptr", "rstd"), ("ptr", "weight"),
+            ("ptr", "dx"), ("ptr", "dgamma_part"), ("ptr", "dbeta_part"), ("i64", p.row_count),
+            _ld(p.rows["x"]), _ld(p.rows["dy"]), _ld(p.rows["dresidual"]), _ld(dx_row), ("i64", w_stride)]))
+        if sums:
+            fin = kernels["norm_bwd_finalize"]
+            launches.append(Launch(fin, -(-n // t.finalize_cols_per_cta), [
+                ("ptr", "dgamma_part"), ("ptr", "dbeta_part"), ("i32", parts), ("ptr", "dweight"),
+                ("ptr", "dbias")]))
+    else:  # no rows: empty dx, and the column sums of nothing are zero
+        zeros = [o.name for o in outputs if o.name in ("dweight", "dbias")]
+    return CallPlan(x.kind, device, BACKWARD.arrays, tuple(launches), outputs=outputs, scratch=scratch,
+                    copies=copies, zeros=zeros, given_out=None if O is None else ("out", "dx"),
+                    spans=_spans(BACKWARD, args), full_overlap_check=_overlap_check(BACKWARD, p.n),
+                    result=_picker(picks)), p

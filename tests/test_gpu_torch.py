@@ -1,0 +1,161 @@
+"""Tier C, torch tensors through the core API: torch tensors in, torch tensors
+out (torch's allocator, torch's current stream), the plan cache across
+pointers and layouts, and `out=` given as a torch tensor."""
+import numpy as np
+import pytest
+
+import cunorm
+from cunorm import check, plan
+
+pytestmark = pytest.mark.gpu
+
+torch = pytest.importorskip("torch", reason="torch is not installed (the torch tests need it)")
+
+
+def _cp(t):
+    import cupy
+
+    return None if t is None else cupy.from_dlpack(t)  # zero-copy (DLPack carries bf16)
+
+
+def _tensor(shape, dtype, rng, offset=0.0):
+    return torch.from_numpy(rng.standard_normal(shape).astype(np.float32) + offset).to("cuda", dtype)
+
+
+def _assert_fresh(t, like, dtype):
+    assert isinstance(t, torch.Tensor) and t.device == like.device and t.dtype == dtype
+    assert t.is_contiguous()
+
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+TOL = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}
+
+
+@pytest.mark.parametrize("n", [1024, 4097])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_every_op_takes_and_gives_torch_tensors(dtype, n, rng):
+    x = _tensor((3, 37, n), dtype, rng, offset=2.0)
+    w, b = _tensor(n, torch.float32, rng), _tensor(n, dtype, rng)
+    r = _tensor((3, 37, n), torch.bfloat16, rng)
+    y, h, mean, rstd = cunorm.layer_norm(x, w, b, residual=r, residual_dtype=torch.float32, return_stats=True)
+    for t, dt in ((y, dtype), (h, torch.float32)):
+        _assert_fresh(t, x, dt)
+        assert t.shape == x.shape
+    for s in (mean, rstd):
+        _assert_fresh(s, x, torch.float32)
+        assert s.shape == x.shape[:-1]
+    ref_h = cunorm.reference.add_residual(_cp(x), _cp(r))
+    y_ref, mean_ref, rstd_ref = cunorm.reference.layer_norm(ref_h, _cp(w), _cp(b))
+    assert check.rel_l2(_cp(h), ref_h) < 1e-6
+    assert check.rel_l2(_cp(y), y_ref) < TOL[dtype]
+    assert check.rel_l2(_cp(mean), mean_ref) < 1e-5 and check.rel_l2(_cp(rstd), rstd_ref) < 1e-5
+    dy = _tensor(x.shape, dtype, rng)
+    dx, dw, db = cunorm.layer_norm_backward(dy, h, mean, rstd, w)
+    _assert_fresh(dx, x, torch.float32)
+    _assert_fresh(dw, x, torch.float32)
+    _assert_fresh(db, x, torch.float32)
+    want = cunorm.reference.layer_norm_backward(_cp(dy), _cp(h), _cp(mean), _cp(rstd), _cp(w))
+    for got, ref in zip((dx, dw, db), want):
+        assert check.rel_l2(_cp(got), ref) < 1e-5
+    y, rstd = cunorm.rms_norm(x, w, return_stats=True)
+    _assert_fresh(y, x, dtype)
+    y_ref, rstd_ref = cunorm.reference.rms_norm(_cp(x), _cp(w))
+    assert check.rel_l2(_cp(y), y_ref) < TOL[dtype] and check.rel_l2(_cp(rstd), rstd_ref) < 1e-5
+    dx, dw = cunorm.rms_norm_backward(dy, x, rstd, w)
+    _assert_fresh(dx, x, dtype)
+    _assert_fresh(dw, x, torch.float32)
+    want = cunorm.reference.rms_norm_backward(_cp(dy), _cp(x), _cp(rstd), _cp(w))
+    assert check.rel_l2(_cp(dx), want[0]) < TOL[dtype] and check.rel_l2(_cp(dw), want[1]) < 1e-5
+    o, g = x[..., :128], dy[..., :128]  # strided rows, read in place
+    d = cunorm.attention_delta(o, g)
+    _assert_fresh(d, x, torch.float32)
+    assert d.shape == x.shape[:-1]
+    assert check.rel_l2(_cp(d), cunorm.reference.attention_delta(_cp(o), _cp(g))) < 1e-5
+
+
+def test_results_are_on_torchs_current_stream(rng):
+    """A producer kernel on a non-default torch stream, then cunorm on that
+    stream: cunorm reads what the producer wrote (large arrays, many times:
+    a missing stream order shows as stale values)."""
+    s = torch.cuda.Stream()
+    w = _tensor(8192, torch.bfloat16, rng)
+    for i in range(20):
+        src = _tensor((2048, 8192), torch.bfloat16, rng)
+        with torch.cuda.stream(s):
+            x = src * 3.0 + float(i)  # the producer: queued on s
+            y, mean, rstd = cunorm.layer_norm(x, w, return_stats=True)
+            dx, dw, _ = cunorm.layer_norm_backward(x, x, mean, rstd, w)
+            d = cunorm.attention_delta(x[:, :128], x[:, 128:256])
+        s.synchronize()
+        ref = torch.nn.functional.layer_norm(x.double(), (8192,), w.double())
+        assert float((y.double() - ref).norm() / ref.norm()) < 8e-3
+        assert float((mean.double() - x.double().mean(-1)).abs().max()) < 1e-2
+        ref_d = (x[:, :128].double() * x[:, 128:256].double()).sum(-1)
+        assert float((d.double() - ref_d).norm() / ref_d.norm()) < 1e-5
+
+
+def test_launches_use_torchs_stream(rng, monkeypatch):
+    from cunorm import launch
+
+    seen = []
+    original = launch.Launch.__call__
+
+    def spy(self, values, stream):
+        seen.append(stream)
+        return original(self, values, stream)
+
+    monkeypatch.setattr(launch.Launch, "__call__", spy)
+    s = torch.cuda.Stream()
+    x = _tensor((64, 1024), torch.float16, rng)
+    with torch.cuda.stream(s):
+        y, mean, rstd = cunorm.layer_norm(x, return_stats=True)
+        cunorm.layer_norm_backward(x, x, mean, rstd)
+        cunorm.attention_delta(x, x)
+    s.synchronize()
+    assert seen and all(p == s.cuda_stream for p in seen)
+
+
+def test_plan_reused_for_new_pointers_never_for_new_layouts(rng):
+    """Same layout at a new address: a cache hit, reading its own arrays. A
+    misaligned view after an aligned one, another row stride or another
+    dtype: a plan of its own, and still right."""
+    plan.CALLS.clear()
+    buf = _tensor((64, 4096 + 8), torch.bfloat16, rng, offset=1.0)
+    other = _tensor((64, 4096 + 8), torch.bfloat16, rng, offset=1.0)
+    cases = [buf[:, :4096], other[:, :4096], buf.clone()[:, :4096],  # aligned, then two hits at new addresses ...
+             buf[:, 1:4097],  # ... then one element on: general rows
+             buf[:, 4:4100],  # 8 bytes on: narrower vectors
+             buf.view(-1)[:64 * 4096].view(64, 4096),  # contiguous rows
+             buf[:, :4096].float()]  # another dtype
+    keys = []
+    for x in cases:
+        y = cunorm.layer_norm(x)
+        ref = cunorm.reference.layer_norm(_cp(x))[0]
+        assert check.rel_l2(_cp(y), ref) < 8e-3
+        keys.append(len(plan.CALLS))
+    assert keys == [1, 1, 1, 2, 3, 4, 5]
+
+
+def test_out_given_as_a_torch_tensor(rng):
+    x = _tensor((37, 1000), torch.float16, rng)
+    out = torch.empty((37, 1000 + 24), dtype=torch.float32, device="cuda")[:, 3:1003]
+    for _ in range(2):  # the first call plans, the second hits
+        y = cunorm.rms_norm(x, out=out)
+        assert y is out
+        assert check.rel_l2(_cp(out), cunorm.reference.rms_norm(_cp(x))[0]) < 1e-5
+    _, rstd = cunorm.rms_norm(x, return_stats=True)
+    dy = _tensor(x.shape, torch.float16, rng)
+    want = cunorm.reference.rms_norm_backward(_cp(dy), _cp(x), _cp(rstd))[0]
+    dx, _ = cunorm.rms_norm_backward(dy, x, rstd, out=dy)  # in place
+    assert dx is dy and check.rel_l2(_cp(dx), want) < 1e-3
+    both = _tensor((38, 1000), torch.float16, rng)
+    with pytest.raises(ValueError, match="out: shares memory with x"):
+        cunorm.rms_norm(both[:37], out=both[1:])
+
+
+def test_bad_torch_input_names_the_argument():
+    x = torch.ones((4, 64), device="cuda", dtype=torch.float64)
+    with pytest.raises(TypeError, match="x: dtype float64 is not supported"):
+        cunorm.layer_norm(x)
+    with pytest.raises(TypeError, match="weight: a torch tensor on cpu"):
+        cunorm.layer_norm(x.float(), torch.ones(64))

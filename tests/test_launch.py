@@ -1,0 +1,75 @@
+"""Tier A: packed launch arguments (no GPU: the driver call is intercepted)."""
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from cunorm import launch
+
+
+@pytest.fixture
+def launched(monkeypatch):
+    """The parameter slots of every launch, as uint64 values, in order."""
+    seen = []
+
+    def fake(function, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
+        seen.append(SimpleNamespace(grid=gx, threads=bx, smem=smem, stream=stream, params=params))
+
+    monkeypatch.setattr(launch, "_launch", fake)
+    return seen
+
+
+def _kernel(threads=128, smem=0):
+    return SimpleNamespace(function=SimpleNamespace(kernel=SimpleNamespace(ptr=7)), threads=threads, smem=smem)
+
+
+def test_per_call_slots_are_written_and_constants_kept(launched):
+    args = [("ptr", "x"), ("ptr", "absent"), ("i64", -5), ("ptr", "y"), ("i32", 3), ("u32", 2**32 - 1),
+            ("f32", 0.5), ("f32", "eps"), ("ptr", "z")]
+    k = launch.Launch(_kernel(256, 1024), 40, args)
+    k.bind({"x": 0, "y": 1, "z": 2, "eps": 3})
+    slots = lambda: np.frombuffer(k.slots, np.uint64).copy()  # noqa: E731
+    for values in ([10, 20, 30, launch.f32_bits(1e-5)], [11, 21, 31, launch.f32_bits(2.0)]):
+        k(values, stream=99)
+        s = slots()
+        assert list(s[[0, 1, 3, 8]]) == [values[0], 0, values[1], values[2]]
+        assert s.view(np.int64)[2] == -5
+        assert s.view(np.int32)[8] == 3 and s.view(np.uint32)[10] == 2**32 - 1
+        assert s.view(np.float32)[12] == 0.5
+        assert s.view(np.float32)[14] == np.float32(1e-5 if values[0] == 10 else 2.0)
+    assert [(c.grid, c.threads, c.smem, c.stream) for c in launched] == [(40, 256, 1024, 99)] * 2
+    # The parameter array points at each slot in turn.
+    params = np.frombuffer(k._params, np.uint64)
+    assert list(params - params[0]) == [8 * i for i in range(len(args))]
+
+
+def test_call_plan_binds_outputs_scratch_and_scalars(launched):
+    """Positions: arguments, then outputs, then scratch, then scalars; a given
+    out= stands for its output."""
+    class Kind:
+        @staticmethod
+        def allocation(specs):
+            return lambda device_id, objs: ([f"out{i}" for i in range(len(specs))], [1000 + i for i in range(len(specs))])
+
+        @staticmethod
+        def raw(device_id, nbytes):
+            return None, 5000
+
+        @staticmethod
+        def stream(device_id):
+            return 3
+
+    k = launch.Launch(_kernel(), 1, [("ptr", "a"), ("ptr", "b"), ("ptr", "y"), ("ptr", "s1"), ("ptr", "s2"),
+                                     ("f32", "eps")])
+    monkey_device = launch._current_device
+    launch._current_device = lambda: 0
+    try:
+        plan = launch.CallPlan(Kind, 0, ("a", "b"), (k,), outputs=[launch.Output("y", (4,), np.dtype("f4"))],
+                               scratch=[("s1", 100), ("s2", 300)], scalars=("eps",),
+                               result=lambda objs, made: made)
+        assert plan.run(("A", None), [10, 0], (launch.f32_bits(1.0),)) == ["out0"]
+    finally:
+        launch._current_device = monkey_device
+    s = np.frombuffer(k.slots, np.uint64)
+    assert list(s[:5]) == [10, 0, 1000, 5000, 5256]
+    assert s.view(np.float32)[10] == 1.0

@@ -206,24 +206,12 @@ class TorchKind:
     @classmethod
     def allocation(cls, specs) -> object:
         """As CupyKind.allocation, through torch's caching allocator: a tensor
-        each (`empty_like` an argument where one matches: the cheapest call),
-        outputs of one shape and dtype made as one and unbound (the
-        statistics, dweight beside dbias); an offset output sliced from a
-        longer one."""
+        of its own for each output (outputs of a torch custom op may not share
+        storage), `empty_like` an argument where one matches (the cheapest
+        call), an offset output sliced from a longer one."""
         torch = cls.load()
         empty, empty_like = torch.empty, torch.empty_like
-        groups = []  # (shape, torch dtype, offset, how many, argument to allocate like)
-        for shape, dt, offset, like in specs:
-            tdt = cls._to_torch[dt]
-            if like is not None and not offset:
-                groups.append((shape, tdt, 0, 1, like))
-                continue
-            # One tensor unbound keeps each part aligned only if a part is whole 256-byte blocks.
-            whole = math.prod(shape) * dt.itemsize % 256 == 0
-            if groups and groups[-1][:3] == (shape, tdt, 0) and groups[-1][4] is None and not offset and whole:
-                groups[-1] = (shape, tdt, 0, groups[-1][3] + 1, None)
-            else:
-                groups.append((shape, tdt, offset, 1, None))
+        made = [(shape, cls._to_torch[dt], offset, like if not offset else None) for shape, dt, offset, like in specs]
         devices = {}
 
         def make(device_id: int, objs):
@@ -231,11 +219,9 @@ class TorchKind:
             if dev is None:
                 dev = devices[device_id] = torch.device("cuda", device_id)
             out = []
-            for shape, tdt, offset, count, like in groups:
+            for shape, tdt, offset, like in made:
                 if like is not None:
                     out.append(empty_like(objs[like]))
-                elif count > 1:
-                    out += empty((count,) + shape, dtype=tdt, device=dev).unbind()
                 elif offset:
                     out.append(empty(math.prod(shape) + offset, dtype=tdt, device=dev)[offset:].view(shape))
                 else:

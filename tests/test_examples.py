@@ -24,3 +24,17 @@ def test_notebook_is_valid_and_compiles():
     for cell in nb["cells"]:
         if cell["cell_type"] == "code":
             compile("".join(cell["source"]), "cell", "exec")
+
+
+def test_train_torch_runs():
+    """The torch example on the CPU (cunorm's ops take the reference path there)."""
+    import pytest
+
+    pytest.importorskip("torch", reason="torch is not installed (the torch example needs it)")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""}
+    out = subprocess.run([sys.executable, str(ROOT / "examples" / "train_torch.py"), "--steps", "3", "--width", "32"],
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "replaced 5 norms" in out.stdout
+    worst = float(out.stdout.split("largest relative difference over 3 steps:")[1].split()[0])
+    assert worst < 1e-4

@@ -1,0 +1,184 @@
+"""Drop-in torch modules and functional forms over the custom ops: LayerNorm
+and RMSNorm with torch.nn's constructor arguments, parameters and state_dict,
+plus a fused residual add, zero-centered weights and `out_dtype`; and
+`replace_norms`, which swaps a model's norms for them in place."""
+from __future__ import annotations
+
+import math
+import numbers
+
+import torch
+from torch import Tensor, nn
+
+from . import ops
+
+
+def _shape(normalized_shape) -> tuple:
+    if isinstance(normalized_shape, numbers.Integral):
+        return (int(normalized_shape),)
+    return tuple(int(d) for d in normalized_shape)
+
+
+def _rows(x: Tensor, shape: tuple) -> Tensor:
+    """x with its trailing `shape` dims as one (a view where torch can make one)."""
+    k = len(shape)
+    if tuple(x.shape[x.dim() - k:]) != shape:
+        raise ValueError(f"x: trailing dims {tuple(x.shape[x.dim() - k:])} do not match normalized_shape {shape}")
+    return x if k == 1 else x.reshape(*x.shape[:x.dim() - k], math.prod(shape))
+
+
+def _flat(p: Tensor | None) -> Tensor | None:
+    return p if p is None or p.dim() == 1 else p.reshape(-1)
+
+
+def _norm(x, normalized_shape, weight, bias, eps, residual, residual_dtype, zero_centered_weight, out_dtype, rms):
+    shape = _shape(normalized_shape if normalized_shape is not None else x.shape[-1])
+    rows = _rows(x, shape)
+    res = None if residual is None else _rows(residual, shape)
+    y, residual_out, _, _ = ops.norm_fwd(rows, _flat(weight), _flat(bias), res, float(eps), rms,
+                                         bool(zero_centered_weight), out_dtype,
+                                         residual_dtype if residual is not None else None)
+    y = y.view(x.shape)
+    return y if residual is None else (y, residual_out.view(x.shape))
+
+
+def layer_norm(x: Tensor, normalized_shape=None, weight: Tensor | None = None, bias: Tensor | None = None,
+               eps: float = 1e-5, *, residual: Tensor | None = None, residual_dtype: torch.dtype | None = None,
+               zero_centered_weight: bool = False, out_dtype: torch.dtype | None = None):
+    """torch.nn.functional.layer_norm's arguments (normalized_shape defaults to
+    the last dim), differentiable, plus a fused residual: with `residual`,
+    returns (y, residual_out), residual_out = x + residual (in fp32, stored in
+    `residual_dtype`, default the residual's) being what was normalized."""
+    return _norm(x, normalized_shape, weight, bias, eps, residual, residual_dtype, zero_centered_weight, out_dtype,
+                 rms=False)
+
+
+def rms_norm(x: Tensor, normalized_shape=None, weight: Tensor | None = None, eps: float | None = None, *,
+             residual: Tensor | None = None, residual_dtype: torch.dtype | None = None,
+             zero_centered_weight: bool = False, out_dtype: torch.dtype | None = None):
+    """torch.nn.functional.rms_norm's arguments (eps None: the machine epsilon
+    of x's dtype, as torch), differentiable, plus the residual, zero-centered
+    and out_dtype options of `layer_norm`."""
+    if eps is None:
+        eps = torch.finfo(x.dtype).eps
+    return _norm(x, normalized_shape, weight, None, eps, residual, residual_dtype, zero_centered_weight, out_dtype,
+                 rms=True)
+
+
+def attention_delta(out: Tensor, grad_out: Tensor) -> Tensor:
+    """D = rowsum(out * grad_out), float32, shape out.shape[:-1]."""
+    return ops.attention_delta(out, grad_out)
+
+
+class _Norm(nn.Module):
+    """What LayerNorm and RMSNorm share: normalized_shape, eps,
+    elementwise_affine, the weight (ones, or zeros when zero-centered: the
+    multiplier is then 1 + weight), and the cunorm options."""
+
+    def __init__(self, normalized_shape, eps, elementwise_affine: bool, bias: bool, device, dtype, *,
+                 zero_centered_weight: bool, residual_dtype, out_dtype):
+        super().__init__()
+        factory = {"device": device, "dtype": dtype}
+        self.normalized_shape = _shape(normalized_shape)
+        self.eps = eps
+        self.elementwise_affine = elementwise_affine
+        self.zero_centered_weight = zero_centered_weight
+        self.residual_dtype, self.out_dtype = residual_dtype, out_dtype
+        if elementwise_affine:
+            self.weight = nn.Parameter(torch.empty(self.normalized_shape, **factory))
+            if bias:
+                self.bias = nn.Parameter(torch.empty(self.normalized_shape, **factory))
+            else:
+                self.register_parameter("bias", None)
+        else:
+            self.register_parameter("weight", None)
+            self.register_parameter("bias", None)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        if self.weight is not None:
+            (nn.init.zeros_ if self.zero_centered_weight else nn.init.ones_)(self.weight)
+        if getattr(self, "bias", None) is not None:
+            nn.init.zeros_(self.bias)
+
+    def extra_repr(self) -> str:
+        extra = ", zero_centered_weight=True" if self.zero_centered_weight else ""
+        return f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}{extra}"
+
+
+class LayerNorm(_Norm):
+    """torch.nn.LayerNorm on cunorm's kernels. forward(x) -> y;
+    forward(x, residual) -> (y, residual_out), residual_out = x + residual
+    (summed in fp32, stored in `residual_dtype`, default the residual's)
+    being what is normalized: feed it to the next block as its residual."""
+
+    def __init__(self, normalized_shape, eps: float = 1e-5, elementwise_affine: bool = True, bias: bool = True,
+                 device=None, dtype=None, *, zero_centered_weight: bool = False,
+                 residual_dtype: torch.dtype | None = None, out_dtype: torch.dtype | None = None):
+        super().__init__(normalized_shape, eps, elementwise_affine, bias, device, dtype,
+                         zero_centered_weight=zero_centered_weight, residual_dtype=residual_dtype,
+                         out_dtype=out_dtype)
+
+    def forward(self, x: Tensor, residual: Tensor | None = None):
+        return layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps, residual=residual,
+                          residual_dtype=self.residual_dtype, zero_centered_weight=self.zero_centered_weight,
+                          out_dtype=self.out_dtype)
+
+
+class RMSNorm(_Norm):
+    """torch.nn.RMSNorm on cunorm's kernels (eps None: the machine epsilon of
+    the input's dtype, as torch); forward(x, residual=None) as LayerNorm's."""
+
+    def __init__(self, normalized_shape, eps: float | None = None, elementwise_affine: bool = True, device=None,
+                 dtype=None, *, zero_centered_weight: bool = False, residual_dtype: torch.dtype | None = None,
+                 out_dtype: torch.dtype | None = None):
+        super().__init__(normalized_shape, eps, elementwise_affine, False, device, dtype,
+                         zero_centered_weight=zero_centered_weight, residual_dtype=residual_dtype,
+                         out_dtype=out_dtype)
+
+    def forward(self, x: Tensor, residual: Tensor | None = None):
+        return rms_norm(x, self.normalized_shape, self.weight, self.eps, residual=residual,
+                        residual_dtype=self.residual_dtype, zero_centered_weight=self.zero_centered_weight,
+                        out_dtype=self.out_dtype)
+
+
+def _from_layer_norm(m: nn.LayerNorm) -> LayerNorm:
+    return _adopt(LayerNorm(m.normalized_shape, m.eps, m.elementwise_affine, getattr(m, "bias", None) is not None,
+                            device="meta"), m)
+
+
+def _from_rms_norm(m: nn.RMSNorm) -> RMSNorm:
+    return _adopt(RMSNorm(m.normalized_shape, m.eps, m.elementwise_affine, device="meta"), m)
+
+
+def _adopt(new: _Norm, old: nn.Module) -> _Norm:
+    """`new` holding `old`'s parameter objects (not copies), in its training mode."""
+    for name in ("weight", "bias"):
+        if name in new._parameters:
+            new._parameters[name] = getattr(old, name, None)
+    new.train(old.training)
+    return new
+
+
+CONVERTERS = {nn.LayerNorm: _from_layer_norm}
+if hasattr(nn, "RMSNorm"):  # torch >= 2.4
+    CONVERTERS[nn.RMSNorm] = _from_rms_norm
+
+
+def replace_norms(module: nn.Module, converters: dict | None = None) -> list:
+    """Swaps, in place, every submodule whose type is a key of `converters`
+    (default: torch.nn.LayerNorm and torch.nn.RMSNorm, exact types) for what
+    its converter returns (the cunorm module, holding the same parameter
+    tensors and eps). Returns [(qualified name, replaced module)]. A converter
+    for another class, e.g. a Hugging Face RMSNorm, is a function of the old
+    module (see the README's torch section)."""
+    table = dict(CONVERTERS if converters is None else converters)
+    replaced = []
+    for parent_name, parent in list(module.named_modules()):
+        for name, child in list(parent.named_children()):
+            convert = table.get(type(child))
+            if convert is None:
+                continue
+            setattr(parent, name, convert(child))
+            replaced.append((f"{parent_name}.{name}" if parent_name else name, child))
+    return replaced

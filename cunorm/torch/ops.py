@@ -1,0 +1,166 @@
+"""cunorm's ops as torch.library custom ops: `cunorm::norm_fwd`,
+`cunorm::norm_bwd` and `cunorm::attention_delta`, with fake (meta)
+implementations for torch.compile and an autograd formula for the forward.
+
+On CUDA tensors they run cunorm's kernels through the core API (torch's
+allocator, torch's current stream: nothing synchronizes, so they can be
+captured in CUDA graphs once a first call has compiled and planned them). On
+CPU tensors they run the float64 reference through numpy (slow; for tests
+and for models that are not on a GPU yet).
+
+Absent outputs (residual_out without a residual, mean for RMSNorm, dweight
+without a weight) come back as empty tensors: a custom op returns tensors.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from .. import dtypes
+from ..attention_delta import attention_delta as _attention_delta
+from ..norm import layer_norm as _layer_norm
+from ..norm import layer_norm_backward as _layer_norm_backward
+from ..norm import rms_norm as _rms_norm
+from ..norm import rms_norm_backward as _rms_norm_backward
+
+
+# -- CPU tensors through the numpy path --------------------------------------------
+
+def _to_numpy(t: Tensor | None):
+    if t is None:
+        return None
+    t = t.detach().contiguous()
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(dtypes.BFLOAT16)
+    return t.numpy()
+
+
+def _from_numpy(a) -> Tensor | None:
+    if a is None:
+        return None
+    a = np.ascontiguousarray(a)
+    if a.dtype == dtypes.BFLOAT16:
+        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(a)
+
+
+def _call(fn, *tensors, **kwargs):
+    """fn over torch tensors: CUDA tensors go straight in (torch tensors come
+    back); CPU tensors through numpy and back."""
+    if tensors[0].is_cuda:
+        return fn(*tensors, **kwargs)
+    out = fn(*map(_to_numpy, tensors), **kwargs)
+    return tuple(map(_from_numpy, out)) if isinstance(out, tuple) else _from_numpy(out)
+
+
+def _empty(like: Tensor) -> Tensor:
+    return like.new_empty(0)
+
+
+# -- the ops ----------------------------------------------------------------------
+
+@torch.library.custom_op("cunorm::norm_fwd", mutates_args=())
+def norm_fwd(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], residual: Optional[Tensor], eps: float,
+             rms: bool, zero_centered: bool, out_dtype: Optional[torch.dtype],
+             residual_out_dtype: Optional[torch.dtype]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(y, residual_out, mean, rstd) of LayerNorm (rms=False) or RMSNorm over
+    the last axis of x; residual_out and (RMSNorm) mean are empty when absent."""
+    kwargs = dict(residual_dtype=residual_out_dtype if residual is not None else None,
+                  zero_centered_weight=zero_centered, return_stats=True, out_dtype=out_dtype)
+    if rms:
+        out = _call(lambda a, w, r: _rms_norm(a, w, eps, residual=r, **kwargs), x, weight, residual)
+        mean = None
+    else:
+        out = _call(lambda a, w, b, r: _layer_norm(a, w, b, eps, residual=r, **kwargs), x, weight, bias, residual)
+        out, mean = out[:-2] + out[-1:], out[-2]
+    y = out[0]
+    residual_out = out[1] if residual is not None else _empty(x)
+    return y, residual_out, mean if mean is not None else _empty(out[-1]), out[-1]
+
+
+@norm_fwd.register_fake
+def _(x, weight, bias, residual, eps, rms, zero_centered, out_dtype, residual_out_dtype):
+    lead = x.shape[:-1]
+    y = x.new_empty(x.shape, dtype=out_dtype or x.dtype)
+    residual_out = (x.new_empty(x.shape, dtype=residual_out_dtype or residual.dtype) if residual is not None
+                    else x.new_empty(0))
+    rstd = x.new_empty(lead, dtype=torch.float32)
+    mean = x.new_empty(0, dtype=torch.float32) if rms else x.new_empty(lead, dtype=torch.float32)
+    return y, residual_out, mean, rstd
+
+
+@torch.library.custom_op("cunorm::norm_bwd", mutates_args=())
+def norm_bwd(dy: Tensor, x: Tensor, mean: Optional[Tensor], rstd: Tensor, weight: Optional[Tensor],
+             dresidual: Optional[Tensor], rms: bool, zero_centered: bool, has_bias: bool,
+             bias_dtype: Optional[torch.dtype]) -> tuple[Tensor, Tensor, Tensor]:
+    """(dx, dweight, dbias) of norm_fwd, given what it normalized (x: the
+    residual sum when there was a residual) and its statistics; dresidual
+    (the skip path's gradient) is added into dx. Absent gradients are empty."""
+    if rms:
+        dx, dw = _call(lambda g, a, s, w, dr: _rms_norm_backward(g, a, s, w, dresidual=dr,
+                                                                  zero_centered_weight=zero_centered),
+                       dy, x, rstd, weight, dresidual)
+        db = None
+    else:
+        dx, dw, db = _call(lambda g, a, m, s, w, dr: _layer_norm_backward(
+            g, a, m, s, w, has_bias=has_bias, bias_dtype=bias_dtype, dresidual=dr,
+            zero_centered_weight=zero_centered), dy, x, mean, rstd, weight, dresidual)
+    return dx, dw if dw is not None else _empty(x), db if db is not None else _empty(x)
+
+
+@norm_bwd.register_fake
+def _(dy, x, mean, rstd, weight, dresidual, rms, zero_centered, has_bias, bias_dtype):
+    n = x.shape[-1]
+    dx = x.new_empty(x.shape)
+    dw = x.new_empty((n,), dtype=weight.dtype) if weight is not None else x.new_empty(0)
+    b_dtype = bias_dtype or (weight.dtype if weight is not None else torch.float32)
+    db = x.new_empty((n,), dtype=b_dtype) if has_bias and not rms else x.new_empty(0)
+    return dx, dw, db
+
+
+@torch.library.custom_op("cunorm::attention_delta", mutates_args=())
+def attention_delta(out: Tensor, grad_out: Tensor) -> Tensor:
+    """D = rowsum(out * grad_out) in float32, shape out.shape[:-1] (not differentiable)."""
+    return _call(_attention_delta, out, grad_out)
+
+
+@attention_delta.register_fake
+def _(out, grad_out):
+    return out.new_empty(out.shape[:-1], dtype=torch.float32)
+
+
+# -- autograd ---------------------------------------------------------------------
+
+def _setup_fwd(ctx, inputs, output):
+    x, weight, bias, residual, eps, rms, zero_centered, out_dtype, residual_out_dtype = inputs
+    y, residual_out, mean, rstd = output
+    h = residual_out if residual is not None else x
+    ctx.save_for_backward(h, weight, mean if not rms else None, rstd)
+    ctx.rms, ctx.zero_centered, ctx.has_bias = rms, zero_centered, bias is not None
+    ctx.bias_dtype = bias.dtype if bias is not None else None
+    ctx.x_dtype = x.dtype
+    ctx.residual_dtype = residual.dtype if residual is not None else None
+    ctx.y_dtype = y.dtype
+    ctx.mark_non_differentiable(mean, rstd)
+
+
+def _backward_fwd(ctx, dy, dresidual_out, _dmean, _drstd):
+    h, weight, mean, rstd = ctx.saved_tensors
+    has_residual = ctx.residual_dtype is not None
+    if dy is None:
+        dy = torch.zeros(h.shape, dtype=ctx.y_dtype, device=h.device)
+    dres = dresidual_out if has_residual and dresidual_out is not None and dresidual_out.numel() else None
+    dh, dw, db = norm_bwd(dy, h, mean, rstd, weight, dres, ctx.rms, ctx.zero_centered, ctx.has_bias,
+                          ctx.bias_dtype)
+    dx = dh if dh.dtype == ctx.x_dtype else dh.to(ctx.x_dtype)
+    dr = None
+    if has_residual:
+        dr = dh if dh.dtype == ctx.residual_dtype else dh.to(ctx.residual_dtype)
+    return (dx, dw if weight is not None else None, db if ctx.has_bias else None, dr,
+            None, None, None, None, None)
+
+
+torch.library.register_autograd("cunorm::norm_fwd", _backward_fwd, setup_context=_setup_fwd)

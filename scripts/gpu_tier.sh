@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # The whole GPU tier in one call, on a GPU machine, from the repository root:
-#   bash scripts/gpu_tier.sh [tests] [check] [sanitize] [bench]   (default: all four)
+#   bash scripts/gpu_tier.sh [tests] [check] [sanitize] [racecheck] [bench] [host] [graph]
+#   (default: tests check sanitize bench host)
 # Results go under $OUT (default ./gpu-results). Exit status: non-zero if any step failed.
 set -u -o pipefail
 OUT=${OUT:-$PWD/gpu-results}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 CUNORM_REQUIRE_GPU=1
-steps=("$@"); [ ${#steps[@]} -eq 0 ] && steps=(tests check sanitize bench)
+steps=("$@"); [ ${#steps[@]} -eq 0 ] && steps=(tests check sanitize bench host)
 status=0
 run() {  # run NAME CMD...: log to $OUT/NAME.txt, remember failure
   local name=$1; shift
@@ -23,6 +24,8 @@ for step in "${steps[@]}"; do
     sanitize) run sanitize compute-sanitizer --tool memcheck --error-exitcode 99 python3 scripts/sanitize_sample.py ;;
     racecheck) run racecheck compute-sanitizer --tool racecheck --error-exitcode 99 python3 scripts/sanitize_sample.py ;;
     bench) run bench python3 -m cunorm.bench --json "$OUT/bench.json" ;;
+    host) run host python3 -m cunorm.bench --host --json "$OUT/host.json" ;;
+    graph) run graph python3 -m cunorm.bench --graph --json "$OUT/graph.json" ;;
     *) echo "unknown step $step"; status=2 ;;
   esac
 done

@@ -3,6 +3,7 @@
 Run with CuPy's memory pool off (set here, before any allocation): memcheck
 misses out-of-bounds accesses that land inside a pool block.
 """
+import dataclasses
 import sys
 
 import cupy
@@ -25,6 +26,8 @@ CASES = [C(op, n, rows, dt, wdt, has_bias=not op.startswith("rms"), **kw)
              (1000, 5, "float16", "float16", {"layout": "stride:+13", "weight_layout": "broadcast"}),
              (33, 7, "float32", "bfloat16", {"layout": "offset:1", "weight_layout": "strided"}),
              (4097, 4, "bfloat16", "bfloat16", {"in_place": True})]]
+# Every tensor's dtype and layout drawn independently (a slice of the pairwise sweep), at few rows.
+CASES += [dataclasses.replace(c, rows=5) for c in check.pairwise_cases()[::17]]
 
 bad = 0
 for case in CASES:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import arrays, dtypes, plan, reference
+from . import arrays, dtypes, kinds, plan, reference
 from .launch import CallPlan, Launch, Output
 
 MAX_LEAD_AXES = 3  # leading axes the kernel indexes with their own strides
@@ -193,34 +193,48 @@ def attention_delta(out, grad_out, *, traits=None):
         return hit.run(values, ptrs)
     args, on_gpu = arrays.take_all({"out": out, "grad_out": grad_out}, {})
     O, G = args["out"], args["grad_out"]
-    o_dtype, g_dtype = arrays.check_dtype(O), arrays.check_dtype(G)
+    arrays.check_dtype(O)
+    arrays.check_dtype(G)
     if O.array.ndim < 1:
         raise ValueError("out: needs at least one axis (the head dim), got a 0-d array")
     arrays.check_shape(G, O.array.shape, "out's shape")
     if not on_gpu:
+        if traits is not None:  # checked for the call as on a GPU, though the reference computes
+            described = {k: arrays.Arg(k, kinds.NumpyKind.describe(a.array), True) for k, a in args.items()}
+            laid, _, _ = layout_of(described, copy=False)
+            if laid is not None:
+                call = {k: laid[k] for k in ("head_dim", "out_dtype", "grad_dtype")}
+                plan.resolve_traits(_Family, traits, call, 90)
         return reference.attention_delta(O.array, G.array).astype(np.float32)
     with plan.on_device(O.array.device_id):
-        call = _plan(args, o_dtype, g_dtype, traits)
+        call = _plan(args, traits)
     plan.remember(key, call)
     return call.run(tuple(a.array.obj for a in (O, G)), [a.array.ptr for a in (O, G)])
 
 
-def _plan(args: dict, o_dtype: str, g_dtype: str, traits) -> CallPlan:
-    """The CallPlan of a validated GPU call: which inputs are copied, the
-    traits (the layout's alignment caps the vector width), the launch."""
+def layout_of(args: dict, copy: bool = True) -> tuple:
+    """(dispatch call, {copied input: why}, reasons) of a validated call; the
+    call is None when there is nothing to launch (no rows, or K = 0). The
+    call's "tensors" and "strides" say what the kernel reads (with `copy`,
+    the copies are made; without, they are described as fresh contiguous
+    arrays, for explain)."""
     O = args["out"]
     lead, k = tuple(O.array.shape[:-1]), O.array.shape[-1]
     rows = math.prod(lead)
-    result = lambda objs, made: made[0]  # noqa: E731
-    delta = Output("delta", lead, np.dtype(np.float32))
-    kind, device = O.array.kind, O.array.device_id
     if rows == 0 or k == 0:
-        return CallPlan(kind, device, NAMES, (), outputs=(delta,), zeros=("delta",), result=result)
+        return None, {}, ["no rows or an empty head dim: the result is zeros, and nothing is launched"]
     if rows >= 2**32:
         raise ValueError(f"out: {rows} rows; at most 2**32 - 1 are supported")
     if k > MAX_HEAD_DIM:
         raise ValueError(f"out: head dim {k} exceeds {MAX_HEAD_DIM}, the widest row a thread group holds")
-    tensors, copies = [], set()
+
+    def contiguous(t):
+        if copy:
+            return t.kind.describe(t.kind.copy(t.obj))
+        strides = tuple(math.prod(t.shape[i + 1:]) * t.itemsize for i in range(t.ndim))
+        return kinds.Tensor(None, t.kind, 0, t.shape, strides, t.dtype, t.device_id)
+
+    tensors, copies = [], {}
     for name in NAMES:
         arr = args[name].array
         if arr.ptr % arr.itemsize or any(s % arr.itemsize for s in arr.strides):
@@ -228,27 +242,49 @@ def _plan(args: dict, o_dtype: str, g_dtype: str, traits) -> CallPlan:
             raise ValueError(f"{name}: pointer or strides {arr.strides} are not whole {arr.dtype} elements "
                              f"(a view reinterpreting another dtype?); build the array in its own dtype")
         if arr.strides[-1] != arr.itemsize and k > 1:
-            arr = arr.kind.describe(arr.kind.copy(arr.obj))  # documented: a non-unit last-axis stride is copied
-            copies.add(name)
+            arr = contiguous(arr)  # documented: a non-unit last-axis stride is copied
+            copies[name] = "its last axis is not contiguous"
         tensors.append(arr)
     elem_strides = [tuple(s // t.itemsize for s in t.strides[:-1]) for t in tensors]
     axes = _row_axes(lead, *elem_strides)
     if axes is None:  # documented: more than three non-mergeable leading axes are copied
-        tensors = [t.kind.describe(t.kind.copy(t.obj)) for t in tensors]
-        copies.update(NAMES)
+        tensors = [contiguous(t) for t in tensors]
+        copies.update({n: f"more than {MAX_LEAD_AXES} leading axes after merging" for n in NAMES})
         elem_strides = [tuple(s // t.itemsize for s in t.strides[:-1]) for t in tensors]
         axes = _row_axes(lead, *elem_strides)
-    sizes, (ost, gst) = axes
-    call = dict(head_dim=k, out_dtype=o_dtype, grad_dtype=g_dtype)
-    if traits is None:  # the layout's alignment caps the vector width dispatch may pick
-        call["max_elts_per_ldg"] = _max_elts(tensors, k, (ost, gst))
-    t, kernels = plan.resolve(_Family, traits, call, device)
+    sizes, strides = axes
+    call = dict(head_dim=k, out_dtype=dtypes.name_of(O.array.dtype),
+                grad_dtype=dtypes.name_of(args["grad_out"].array.dtype),
+                max_elts_per_ldg=_max_elts(tensors, k, strides))
+    reasons = []
+    if call["max_elts_per_ldg"] < 16:
+        reasons.append(f"pointers, leading strides and the head dim allow loads of at most "
+                       f"{call['max_elts_per_ldg']} elements")
+    return dict(call, tensors=tensors, sizes=sizes, strides=strides), copies, reasons
+
+
+def _plan(args: dict, traits) -> CallPlan:
+    """The CallPlan of a validated GPU call: which inputs are copied, the
+    traits (the layout's alignment caps the vector width), the launch."""
+    O = args["out"]
+    lead = tuple(O.array.shape[:-1])
+    result = lambda objs, made: made[0]  # noqa: E731
+    delta = Output("delta", lead, np.dtype(np.float32))
+    kind, device = O.array.kind, O.array.device_id
+    laid, copies, _ = layout_of(args)
+    if laid is None:
+        return CallPlan(kind, device, NAMES, (), outputs=(delta,), zeros=("delta",), result=result)
+    tensors, sizes, (ost, gst) = laid.pop("tensors"), laid.pop("sizes"), laid.pop("strides")
+    if traits is not None:  # the caller's knobs, checked against the layout below
+        laid.pop("max_elts_per_ldg")
+    t, kernels = plan.resolve(_Family, traits, laid, device)
     for a, st, name in zip(tensors, (ost, gst), NAMES):
         chunk = min(16, t.vector_bytes(dtypes.name_of(a.dtype)))
         if a.ptr % chunk or any((s * a.itemsize) % chunk for s in st):
             raise ValueError(f"{name}: its pointer or strides are not {chunk}-byte aligned, as "
                              f"traits {t.short()} need")
     kern = kernels["attention_delta"]
+    rows = math.prod(lead)
     tiles = -(-rows // t.rows_per_cta)
     grid = min(tiles, kern.resident_clusters * 4)  # CTAs (no cluster): four waves' worth
     launch = Launch(kern, grid, [("ptr", "out"), ("ptr", "grad_out"), ("ptr", "delta"), ("u32", rows),

@@ -304,34 +304,43 @@ def run_graph(sizes=(768, 1024, 2048, 4096, 8192, 16384, 32768, 65536), dtype: s
     return results
 
 
-def main(argv=None):
+def main(argv=None, prog: str = "python -m cunorm.bench") -> int:
     import argparse
 
-    p = argparse.ArgumentParser(description=__doc__)
+    from .cli import EXIT_NO_GPU, gpu_missing
+
+    p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--sizes", default=",".join(map(str, BENCH_SIZES)), help="LayerNorm hidden sizes ('' for none)")
     p.add_argument("--head-dims", default=",".join(map(str, DELTA_HEAD_DIMS)), help="attention_delta head dims")
-    p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--weight-dtype", default=None)
-    p.add_argument("--repeat", type=int, default=20)
-    p.add_argument("--json", default=None, help="also write results to this file")
+    p.add_argument("--dtype", default="bfloat16", help="activations' dtype")
+    p.add_argument("--weight-dtype", default=None, help="weights' dtype (default: the activations')")
+    p.add_argument("--repeat", type=int, default=20, help="timed batches per case")
     p.add_argument("--no-extras", action="store_true", help="skip the strided-row and odd-size comparisons")
     p.add_argument("--host", action="store_true", help="per-call host time of every op (CuPy arrays, torch "
                    "tensors, torch's own op) at the host shapes, instead of bandwidth")
     p.add_argument("--graph", action="store_true", help="bandwidth through the API beside CUDA-graph replay "
                    "(torch tensors), instead of the bandwidth table")
+    p.add_argument("--json", action="store_true", help="print the results as JSON (the table goes to stderr)")
+    p.add_argument("--output", default=None, help="also write the results as JSON to this file")
     a = p.parse_args(argv)
-    if a.host or a.graph:
-        res = run_host(dtype=a.dtype, repeat=max(a.repeat // 3, 5)) if a.host else run_graph(dtype=a.dtype)
-        if a.json:
-            with open(a.json, "w") as f:
-                json.dump(res, f, indent=1)
-        return
+    if gpu_missing(prog, a.json):
+        return EXIT_NO_GPU
+    out = sys.stderr if a.json else sys.stdout
     ints = lambda text: tuple(int(v) for v in text.split(",") if v)  # noqa: E731
-    res = run(ints(a.sizes), a.dtype, a.weight_dtype, a.repeat, head_dims=ints(a.head_dims), extras=not a.no_extras)
+    if a.host:
+        res = run_host(dtype=a.dtype, repeat=max(a.repeat // 3, 5), out=out)
+    elif a.graph:
+        res = run_graph(dtype=a.dtype, out=out)
+    else:
+        res = run(ints(a.sizes), a.dtype, a.weight_dtype, a.repeat, out=out, head_dims=ints(a.head_dims),
+                  extras=not a.no_extras)
     if a.json:
-        with open(a.json, "w") as f:
+        print(json.dumps(res, indent=1))
+    if a.output:
+        with open(a.output, "w") as f:
             json.dump(res, f, indent=1)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

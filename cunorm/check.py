@@ -305,6 +305,8 @@ def default_cases(sizes=None, rows=DEFAULT_ROWS, dtypes_=dtypes.NAMES, ops=OPS, 
         cases += [c for c in flag_cases(sizes, dtypes_=dtypes_) if c.op in ops]
     if "pairwise" in sweeps:
         cases += pairwise_cases(sizes, dtypes_=dtypes_, ops=ops)
+    # The options narrow every sweep: only the sizes and input dtypes asked for.
+    cases = [c for c in cases if c.dtype in dtypes_ and (not sizes or c.hidden_size in sizes)]
     return list(dict.fromkeys(cases))
 
 

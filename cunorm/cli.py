@@ -1,4 +1,7 @@
-"""The `cunorm` command: check (the correctness checker), info, list."""
+"""The `cunorm` command: check (the correctness checker), info, list, bench, tune.
+
+One style throughout: `--json` is a flag that prints JSON to stdout; a file is
+asked for with `--output FILE`. Exit codes: 0 pass, 1 fail, 2 usage, 3 no GPU."""
 from __future__ import annotations
 
 import json
@@ -26,18 +29,29 @@ def _csv(kind):
 
 
 def _dtype_list(value: str) -> str:
-    aliases = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
-    name = aliases.get(value.strip(), value.strip())
-    if name not in dtypes.NAMES:
-        raise ValueError(f"unknown dtype {value!r}; expected fp32, fp16 or bf16")
-    return name
+    try:
+        return dtypes.name_of(value.strip())
+    except ValueError:
+        raise ValueError(f"unknown dtype {value!r}; expected fp32, fp16 or bf16") from None
 
 
 def _arch(value: str) -> int:
-    v = value.lower().removeprefix("sm_")
-    if not v.isdigit():
-        raise click.BadParameter(f"{value!r} is not an architecture like sm_90")
-    return int(v)
+    from .compiler import arch_number
+
+    try:
+        return arch_number(value)
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from None
+
+
+def gpu_missing(command: str, as_json: bool, hint: str = "") -> bool:
+    """Whether there is no GPU; if so, says so (also as JSON on stdout with --json)."""
+    if gpu_count():
+        return False
+    if as_json:
+        print(json.dumps({"error": "no CUDA GPU found", "exit": EXIT_NO_GPU}))
+    print(f"{command}: no CUDA GPU found" + (f" ({hint})" if hint else ""), file=sys.stderr)
+    return True
 
 
 def gpu_count() -> int:
@@ -77,12 +91,13 @@ def check(sizes, rows, dtype_names, ops, sweeps, seed, compile_only, arch, as_js
     from .check import OPS, SWEEPS, default_cases
 
     op_names = tuple(OP_NAMES[o] for o in ops) or OPS
+    if sizes and min(sizes) < 1:
+        raise click.BadParameter(f"hidden sizes must be >= 1, got {min(sizes)}", param_hint="--sizes")
     cases = default_cases(sizes, rows or (1, 37, 4096), dtype_names or dtypes.NAMES, op_names,
                           sweeps=sweeps or SWEEPS)
     if compile_only:
         sys.exit(_compile_only(cases, _arch(arch), as_json))
-    if gpu_count() == 0:
-        click.echo("cunorm check: no CUDA GPU found (use --compile-only to check compilation without one)", err=True)
+    if gpu_missing("cunorm check", as_json, "use --compile-only to check compilation without one"):
         sys.exit(EXIT_NO_GPU)
     from .check import precompile, run_case
 
@@ -105,49 +120,58 @@ def check(sizes, rows, dtype_names, ops, sweeps, seed, compile_only, arch, as_js
 
 
 def _compile_only(cases, arch, as_json) -> int:
+    """Compiles every distinct variant the cases run on `arch` and says, of
+    each, what happened: compiled clean, compiled with spills (a failure for a
+    tuned entry; a heuristic last resort may spill), refused (dispatch has no
+    legal traits there: not compiled, so not a pass), or failed to compile.
+    Exit 1 when anything failed or nothing compiled."""
     from .check import case_kernels
     from .compiler import CompileError, compile_only
 
-    rows, bad = [], 0
+    rows = []
     variants = list(case_kernels(cases, arch))
     with click.progressbar(variants, label=f"compiling for sm_{arch}", file=sys.stderr) as bar:
         for traits, source in bar:
-            if isinstance(traits, ValueError):  # reported, not a failure: the dispatch refuses it clearly
-                rows.append({"source": source, "error": str(traits), "ok": True})
+            if isinstance(traits, ValueError):
+                rows.append({"source": source, "verdict": "refused", "error": str(traits)})
                 continue
+            row = {"label": traits.short(), "traits": traits.knobs(), "source": source}
             try:
                 report = compile_only(traits, arch)
             except (CompileError, ValueError) as e:
-                bad += 1
-                rows.append({"label": traits.short(), "traits": traits.knobs(), "source": source, "error": str(e),
-                             "ok": False})
+                rows.append({**row, "verdict": "failed", "error": str(e)})
                 continue
-            # Tuned entries must compile clean; a heuristic last resort (rows past what the registers hold)
-            # may spill: reported, not failed.
-            ok = report.clean or source != "tuned"
-            bad += not ok
-            rows.append({"label": traits.short(), "traits": traits.knobs(), "source": source, "ok": ok,
+            spills = not report.clean
+            verdict = "clean" if not spills else "failed: a tuned entry spills" if source == "tuned" else "spills"
+            rows.append({**row, "verdict": verdict, "spills": spills,
+                         "spill_bytes": sum(f.spill_stores + f.spill_loads for f in report.functions),
                          "functions": [f.__dict__ for f in report.functions]})
+    count = lambda pred: sum(1 for r in rows if pred(r["verdict"]))  # noqa: E731
+    summary = {"compiled": count(lambda v: v != "refused" and v != "failed"), "refused": count(lambda v: v == "refused"),
+               "spilled": sum(1 for r in rows if r.get("spills")), "failed": count(lambda v: v.startswith("failed"))}
+    failed = summary["failed"] > 0 or summary["compiled"] == 0
     if as_json:
-        click.echo(json.dumps({"arch": arch, "variants": rows, "failed": bad}, indent=1))
+        click.echo(json.dumps({"arch": arch, **summary, "ok": not failed, "variants": rows}, indent=1))
     else:
         click.echo(f"{'variant':<100} {'kernel':<24} {'regs':>4} {'stack':>5} {'spill':>5}  result")
         for r in rows:
-            if r["source"] == "unsupported":
-                click.echo(f"unsupported on sm_{arch}: {r['error']}")
+            if r["verdict"] == "refused":
+                click.echo(f"refused on sm_{arch} (not compiled): {r['error']}")
                 continue
             label = f"{r['label']} ({r['source']})"
-            if "error" in r:
-                click.echo(f"{label:<100} ERROR {r['error'].splitlines()[0]}")
+            if "functions" not in r:
+                click.echo(f"{label:<100} FAILED {r['error'].splitlines()[0]}")
                 continue
             for f in r["functions"]:
                 spill = f["spill_stores"] + f["spill_loads"]
                 clean = not spill and not f["stack_frame"]
-                verdict = "ok" if clean else "FAIL" if r["source"] == "tuned" else "spills (heuristic)"
+                verdict = "ok" if clean else "FAIL (tuned entry spills)" if r["source"] == "tuned" else "spills"
                 click.echo(f"{label:<100} {f['name']:<24} {f['registers']:>4} {f['stack_frame']:>5} {spill:>5}  "
                            f"{verdict}")
-        click.echo(f"{len(rows) - bad} passed, {bad} failed")
-    return EXIT_FAIL if bad else 0
+        click.echo(f"sm_{arch}: {summary['compiled']} compiled ({summary['spilled']} with spills), "
+                   f"{summary['refused']} refused (not compiled), {summary['failed']} failed"
+                   + ("; nothing compiled" if not summary["compiled"] else ""))
+    return EXIT_FAIL if failed else 0
 
 
 @main.command()
@@ -197,6 +221,12 @@ def info(as_json):
 def list_(arch, as_json):
     """The dispatch table: traits per hidden size, dtype and direction."""
     arch = _arch(arch)
+    from .traits import MIN_ARCH
+
+    if arch < MIN_ARCH:
+        message = f"sm_{arch}: no kernel of this table runs there (the normalization kernels need sm_{MIN_ARCH} or newer)"
+        click.echo(json.dumps({"arch": arch, "error": message, "rows": []}) if as_json else message)
+        sys.exit(EXIT_FAIL)
     rows = []
     for n in dispatch.TUNED_SIZES:
         for dt in dtypes.NAMES:
@@ -221,6 +251,28 @@ def list_(arch, as_json):
         click.echo(f"{r['hidden_size']:>6} {r['dtype']:<9} {r['op']:<3} {r['warps_m']:>7} {r['warps_n']:>7} "
                    f"{r['ctas_per_row']:>8} {r['bytes_per_ldg']:>5} {r['ldgs']:>4} {r['threads_per_cta']:>7}  "
                    f"{r['source']}")
+
+
+_FORWARD_ARGS = dict(context_settings=dict(ignore_unknown_options=True, allow_extra_args=True,
+                                            help_option_names=[]), add_help_option=False)
+
+
+@main.command(**_FORWARD_ARGS)
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+def bench(args):
+    """Bandwidth (fraction of a same-run copy) and per-call time; --help for options."""
+    from .bench import main as bench_main
+
+    sys.exit(bench_main(list(args), prog="cunorm bench"))
+
+
+@main.command(**_FORWARD_ARGS)
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+def tune(args):
+    """Time candidate traits per hidden size and print the fastest; --help for options."""
+    from .tune import main as tune_main
+
+    sys.exit(tune_main(list(args), prog="cunorm tune"))
 
 
 if __name__ == "__main__":

@@ -68,8 +68,17 @@ def parse_ptxas_log(log: str) -> tuple:
     return tuple(out)
 
 
-def compile_only(traits, arch: int = 90) -> CompileReport:
-    """Compile `traits`'s kernels for sm_<arch> with NVRTC; needs no GPU."""
+def arch_number(arch) -> int:
+    """An architecture as a number: 90, "90", "sm_90" and "SM90" are all 90."""
+    text = str(arch).strip().lower().removeprefix("sm_").removeprefix("sm")
+    if not text.isdigit():
+        raise ValueError(f"arch: {arch!r} is not an architecture like 90 or 'sm_90'")
+    return int(text)
+
+
+def compile_only(traits, arch: int | str = 90) -> CompileReport:
+    """Compile `traits`'s kernels for sm_<arch> (90 or "sm_90") with NVRTC; needs no GPU."""
+    arch = arch_number(arch)
     traits.check_arch(arch)
     from cupy_backends.cuda.libs import nvrtc
 

@@ -13,7 +13,8 @@ from __future__ import annotations
 import math
 
 from . import dtypes
-from .traits import CLUSTER_MIN_ARCH, DEFAULT_SMEM_LIMIT, KNOBS, PREFERRED_ELTS_PER_THREAD, SMEM_LIMIT, Traits
+from .traits import (CLUSTER_MIN_ARCH, DEFAULT_SMEM_LIMIT, KNOB_DEFAULTS, KNOBS, PREFERRED_ELTS_PER_THREAD,
+                     SMEM_LIMIT, Traits)
 from .tuned import TUNED, TUNED_ARCH, TUNED_GENERAL  # the measured tables, a literal of their own
 
 # Hidden sizes with tuned entries (both directions, every input dtype).
@@ -62,13 +63,13 @@ def from_knobs(knobs: dict, **call) -> Traits:
     chosen vector width and the layout."""
     fields, max_vector, aligned_vector = call_fields(**call)
     itemsize = dtypes.itemsize(fields["input_dtype"])
-    bytes_per_ldg = knobs.get("bytes_per_ldg", Traits.bytes_per_ldg)
+    bytes_per_ldg = knobs.get("bytes_per_ldg", KNOB_DEFAULTS["bytes_per_ldg"])
     elts = bytes_per_ldg // itemsize
     if elts > max_vector:
         raise ValueError(f"traits: bytes_per_ldg={bytes_per_ldg} ({elts} elements) is wider than this call's layout "
                          f"allows ({max_vector * itemsize} bytes): its row tensors sit at different offsets from "
                          f"{elts}-element boundaries")
-    return Traits(**fields, **knobs, aligned_rows=elts <= aligned_vector)
+    return Traits(**fields, **{**KNOB_DEFAULTS, **knobs}, aligned_rows=elts <= aligned_vector)
 
 
 def choose(*, arch: int = CLUSTER_MIN_ARCH, **call) -> tuple:
@@ -124,9 +125,9 @@ def heuristic(*, hidden_size: int, input_dtype: str, elts_per_ldg: int | None = 
         max_warps_n = MAX_HEURISTIC_WARPS_N[backward] if arch >= CLUSTER_MIN_ARCH else 16
         for warps_n in range(1, 33):
             try:
-                t = Traits(hidden_size=hidden_size, input_dtype=input_dtype, backward=backward, warps_n=warps_n,
-                           ctas_per_row=ctas, bytes_per_ldg=bytes_per_ldg, aligned_rows=aligned_rows, stages=1,
-                           **rest)
+                t = Traits(hidden_size=hidden_size, input_dtype=input_dtype, backward=backward,
+                           **{**KNOB_DEFAULTS, "warps_n": warps_n, "ctas_per_row": ctas,
+                              "bytes_per_ldg": bytes_per_ldg, "stages": 1}, aligned_rows=aligned_rows, **rest)
             except ValueError:
                 continue
             slots = t.ldgs * t.vec_cols_per_ldg

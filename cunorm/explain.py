@@ -4,9 +4,9 @@ from __future__ import annotations
 import inspect
 from dataclasses import dataclass
 
-from . import dispatch, dtypes, layout, norm, plan
+from . import dispatch, dtypes, kinds, layout, norm, plan
+from .compiler import arch_number, device_arch
 from .norm import calls, plans
-from .compiler import device_arch
 from .traits import Traits
 
 OPS = {"layer_norm": (norm.layer_norm, False, False), "rms_norm": (norm.rms_norm, True, False),
@@ -19,17 +19,18 @@ class Explanation:
     """What `op(*args, **kwargs)` would run. path: "fast" (aligned rows, 16-byte
     vectors), "narrow" (aligned rows, narrower vectors: the row tensors sit at
     different offsets from 16-byte boundaries), "general" (shifted rows with
-    masked ends) or "reference" (numpy inputs, float64 on the CPU); source:
-    "tuned", "heuristic" or "caller"."""
+    masked ends) or "reference" (numpy inputs, float64 on the CPU: traits and
+    reasons then preview a GPU of `arch`); source: "tuned", "heuristic" or "caller"."""
 
     op: str
     path: str
-    traits: Traits | None
+    traits: object  # Traits, DeltaTraits, or None (nothing to launch)
     source: str
     reasons: tuple
+    arch: int | None = None  # the GPU architecture the traits are for
 
     def __str__(self) -> str:
-        lines = [f"{self.op}: {self.path} path"]
+        lines = [f"{self.op}: {self.path} path" + (f" (traits for sm_{self.arch})" if self.arch else "")]
         if self.traits is not None:
             lines.append(f"  traits ({self.source}): {self.traits.short()}")
         lines += [f"  - {r}" for r in self.reasons]
@@ -58,14 +59,18 @@ def _layout_reasons(p, t: Traits) -> list:
     return reasons
 
 
-def explain(op, *args, **kwargs) -> Explanation:
+def explain(op, *args, arch: int | str | None = None, **kwargs) -> Explanation:
     """Explains a call: `cunorm.explain(cunorm.layer_norm, x, w, b)` (or the
     op's name) takes the op's own arguments, validates them as the op would
     (raising the same errors) and returns an Explanation; nothing is launched
-    or compiled."""
+    or compiled. GPU arrays are explained for their GPU (or for `arch`, e.g.
+    "sm_80", to preview another); numpy arrays run the reference, and their
+    explanation previews what a GPU of `arch` (default sm_90) would run."""
     name = op if isinstance(op, str) else getattr(op, "__name__", "")
+    if name == "attention_delta":
+        return _explain_delta(*args, arch=arch, **kwargs)
     if name not in OPS:
-        raise ValueError(f"op: expected one of {', '.join(OPS)} (or the function), got {op!r}")
+        raise ValueError(f"op: expected one of {', '.join([*OPS, 'attention_delta'])} (or the function), got {op!r}")
     fn, rms, backward = OPS[name]
     bound = inspect.signature(fn).bind(*args, **kwargs)
     bound.apply_defaults()
@@ -79,18 +84,23 @@ def explain(op, *args, **kwargs) -> Explanation:
         call_args, on_gpu, base, _ = calls.forward_args(rms, a["x"], a["weight"], a.get("bias"), a["eps"],
                                                         a["residual"], a["residual_dtype"],
                                                         a["zero_centered_weight"], a["out_dtype"], a["out"])
-    if not on_gpu:
-        return Explanation(name, "reference", None, "", ("numpy inputs run the float64 reference on the CPU",))
-
-    dev = call_args["x"].array.device_id
-    with plan.on_device(dev):
-        p = (plans.backward_prepare if backward else plans.forward_prepare)(call_args, base)
-    arch = device_arch(dev)
+    prepare = plans.backward_prepare if backward else plans.forward_prepare
+    reasons = []
+    if on_gpu:
+        dev = call_args["x"].array.device_id
+        with plan.on_device(dev):
+            p = prepare(call_args, base)
+        arch = device_arch(dev) if arch is None else arch_number(arch)
+    else:
+        p = norm._check_as_on_gpu(prepare, call_args, base, None)
+        arch = norm.PREVIEW_ARCH if arch is None else arch_number(arch)
+        reasons.append(f"numpy inputs run the float64 reference on the CPU; on an sm_{arch} GPU this call would "
+                       f"run what follows")
     if traits is None:
         t, source = dispatch.choose(arch=arch, **p.base)
     else:
         t, source = plan.resolve_traits(plans.Family, traits, p.base, arch), "caller"
-    reasons = _layout_reasons(p, t)
+    reasons += _layout_reasons(p, t)
     if source == "tuned":
         neighbour = dispatch.tuned_neighbour(t.hidden_size, t.input_dtype)
         general = not t.aligned_rows and dispatch.tuned_knobs(t.backward, neighbour, t.input_dtype, general=True)
@@ -98,7 +108,38 @@ def explain(op, *args, **kwargs) -> Explanation:
                        f"(sm_{dispatch.TUNED_ARCH})")
     elif source == "heuristic":
         reasons.append("dispatch: the heuristic (no tuned entry applies: other GPU, size, residual or layout)")
-    return Explanation(name, path_of(t, p.base["max_vector"]), t, source, tuple(reasons))
+    path = path_of(t, p.base["max_vector"]) if on_gpu else "reference"
+    return Explanation(name, path, t, source, tuple(reasons), arch)
+
+
+def _explain_delta(out, grad_out, *, traits=None, arch=None) -> Explanation:
+    """explain for attention_delta: its vector width and why, what is copied."""
+    from . import arrays
+    from .attention_delta import _Family, layout_of
+
+    args, on_gpu = arrays.take_all({"out": out, "grad_out": grad_out}, {})
+    if not on_gpu:
+        args = {k: arrays.Arg(k, kinds.NumpyKind.describe(a.array), True) for k, a in args.items()}
+    call, copies, reasons = layout_of(args, copy=False)
+    if call is not None:
+        call = {k: call[k] for k in ("head_dim", "out_dtype", "grad_dtype", "max_elts_per_ldg")
+                if k != "max_elts_per_ldg" or traits is None}
+    if on_gpu:
+        arch = device_arch(args["out"].array.device_id) if arch is None else arch_number(arch)
+    else:
+        arch = norm.PREVIEW_ARCH if arch is None else arch_number(arch)
+        reasons.insert(0, f"numpy inputs run the float64 reference on the CPU; on an sm_{arch} GPU this call "
+                          f"would run what follows")
+    if call is None:  # no rows or an empty head dim: nothing to launch
+        return Explanation("attention_delta", "none", None, "", tuple(reasons), arch)
+    t = plan.resolve_traits(_Family, traits, call, arch)
+    widest = 16 // max(dtypes.itemsize(t.out_dtype), dtypes.itemsize(t.grad_dtype))
+    path = "reference" if not on_gpu else "fast" if t.elts_per_ldg >= min(widest, call["head_dim"]) else "narrow"
+    reasons += [f"{name}: copied to a contiguous array ({why})" for name, why in copies.items()]
+    reasons.append(f"{t.elts_per_ldg}-element loads ({t.vector_bytes(t.out_dtype)} bytes of out), "
+                   f"{t.threads_per_row} threads a row, {t.rows_per_thread} rows a thread")
+    return Explanation("attention_delta", path, t, "caller" if traits is not None else "heuristic", tuple(reasons),
+                       arch)
 
 
 def path_of(t: Traits, max_vector: int) -> str:

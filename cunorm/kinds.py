@@ -250,6 +250,22 @@ class TorchKind:
         a.zero_()
 
 
+class NumpyKind:
+    """numpy arrays described like GPU ones, so that a numpy call is laid out
+    and checked (layout, `out=` overlap, `traits=`) exactly as a GPU call
+    would be before the reference computes it."""
+
+    name = "numpy"
+
+    @classmethod
+    def describe(cls, a) -> Tensor:
+        return Tensor(a, cls, a.__array_interface__["data"][0], a.shape, a.strides, a.dtype, -1)
+
+    @staticmethod
+    def copy(obj):
+        return np.array(obj, copy=True, order="C")
+
+
 class UnsupportedDtype(Exception):
     """A producer's dtype that has no numpy equivalent here (named for the error)."""
 

@@ -27,14 +27,22 @@ def add_residual(x, residual):
     return _f64(x) if residual is None else _f64(x) + _f64(residual)
 
 
+def _nan_rows(x, *stats):
+    """The statistics with NaN on every row of x that holds inf or NaN: that
+    row's outputs are all NaN (as the kernels make them)."""
+    bad = ~np.isfinite(x).all(axis=-1)
+    return tuple(np.where(bad, np.nan, s) for s in stats)
+
+
 def layer_norm(x, weight=None, bias=None, eps: float = 1e-5, *, zero_centered_weight: bool = False):
     """(y, mean, rstd) over the last axis, all float64. With a residual, pass
-    `add_residual(x, residual)` as x."""
+    `add_residual(x, residual)` as x. A row holding inf or NaN gives NaN."""
     x = _f64(x)
-    mean = x.mean(axis=-1)
-    var = ((x - mean[..., None]) ** 2).mean(axis=-1)
-    rstd = (var + eps) ** -0.5
-    y = (x - mean[..., None]) * rstd[..., None]
+    with np.errstate(all="ignore"):  # non-finite rows become NaN below, without warnings
+        mean = x.mean(axis=-1)
+        var = ((x - mean[..., None]) ** 2).mean(axis=-1)
+        mean, rstd = _nan_rows(x, mean, (var + eps) ** -0.5)
+        y = (x - mean[..., None]) * rstd[..., None]
     w = _effective_weight(weight, zero_centered_weight)
     if w is not None:
         y = y * w
@@ -70,10 +78,11 @@ def layer_norm_backward(dy, x, mean, rstd, weight=None, *, dresidual=None, zero_
 
 def rms_norm(x, weight=None, eps: float = 1e-6, *, zero_centered_weight: bool = False):
     """(y, rstd): y = x * rstd * w with rstd = 1 / sqrt(mean(x^2) + eps), float64.
-    With a residual, pass `add_residual(x, residual)` as x."""
+    With a residual, pass `add_residual(x, residual)` as x. A row holding inf or NaN gives NaN."""
     x = _f64(x)
-    rstd = ((x * x).mean(axis=-1) + eps) ** -0.5
-    y = x * rstd[..., None]
+    with np.errstate(all="ignore"):
+        (rstd,) = _nan_rows(x, ((x * x).mean(axis=-1) + eps) ** -0.5)
+        y = x * rstd[..., None]
     w = _effective_weight(weight, zero_centered_weight)
     return (y * w if w is not None else y), rstd
 

@@ -28,6 +28,9 @@ MIN_ARCH = 80  # cp.async and the bf16/f16x2 conversion instructions
 # The independent knobs: launch shape and research levers (what tuning varies and `traits=` may force).
 KNOBS = ("warps_m", "warps_n", "ctas_per_row", "bytes_per_ldg", "stages", "cache_weights", "min_ctas_per_sm",
          "smem_accumulators", "recompute")
+# What a knob left out takes when others are given (`traits=` mappings, the tuner).
+KNOB_DEFAULTS = dict(warps_m=1, warps_n=1, ctas_per_row=1, bytes_per_ldg=16, stages=2, cache_weights=True,
+                     min_ctas_per_sm=1, smem_accumulators=False, recompute=True)
 # The backward's finalize kernel: warps per CTA (each sums a slice of the partial
 # rows) and columns per CTA (32 lanes x 4 neighbours, or 1 when N % 4 != 0).
 FINALIZE_WARPS = 16
@@ -71,21 +74,23 @@ class Traits:
 
     hidden_size: int
     input_dtype: str = "float32"
-    weight_dtype: str = "float32"
-    output_dtype: str = "float32"
-    bias_dtype: str = "float32"
-    residual_dtype: str = "float32"
-    residual_out_dtype: str = "float32"
+    weight_dtype: str | None = None  # None: input_dtype (weight, bias, y, residual and residual_out alike)
+    output_dtype: str | None = None
+    bias_dtype: str | None = None
+    residual_dtype: str | None = None
+    residual_out_dtype: str | None = None
     compute_dtype: str = "float32"
-    warps_m: int = 1
-    warps_n: int = 1
-    ctas_per_row: int = 1
-    bytes_per_ldg: int = 16
-    stages: int = 2
-    cache_weights: bool = True
-    min_ctas_per_sm: int = 1
-    smem_accumulators: bool = False
-    recompute: bool = True
+    # Knobs: None means not given. With none given, all come from the heuristic dispatch uses for such a
+    # call (legal by construction); with some given, the others take KNOB_DEFAULTS.
+    warps_m: int | None = None
+    warps_n: int | None = None
+    ctas_per_row: int | None = None
+    bytes_per_ldg: int | None = None
+    stages: int | None = None
+    cache_weights: bool | None = None
+    min_ctas_per_sm: int | None = None
+    smem_accumulators: bool | None = None
+    recompute: bool | None = None
     has_weight: bool = True
     has_bias: bool = True
     rms: bool = False
@@ -97,8 +102,21 @@ class Traits:
     KNOBS = KNOBS  # what `traits=` may force and tuning varies
 
     def __post_init__(self):
+        object.__setattr__(self, "input_dtype", dtypes.name_of(self.input_dtype))
         for field in DTYPE_FIELDS:
-            object.__setattr__(self, field, dtypes.name_of(getattr(self, field)))
+            value = getattr(self, field)
+            object.__setattr__(self, field, self.input_dtype if value is None else dtypes.name_of(value))
+        if all(getattr(self, k) is None for k in KNOBS):
+            from .dispatch import heuristic  # dispatch builds on this module
+
+            rest = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in KNOBS}
+            derived = heuristic(**{k: v for k, v in rest.items() if k != "aligned_rows"},
+                                aligned_rows=self.aligned_rows)
+            for k in KNOBS:
+                object.__setattr__(self, k, getattr(derived, k))
+        for k in KNOBS:
+            if getattr(self, k) is None:
+                object.__setattr__(self, k, KNOB_DEFAULTS[k])
         self._check()
 
     # -- derived, as in norm_traits.cuh ------------------------------------

@@ -124,20 +124,25 @@ def tune(hidden_size: int, dtype: str = "bfloat16", backward: bool = False, elem
     return sorted(shapes + _time_all(refined, fn_for, repeat, out), key=lambda p: p[0])
 
 
-def main(argv=None):
+def main(argv=None, prog: str = "python -m cunorm.tune") -> int:
     import argparse
 
     from .bench import copy_bandwidth
+    from .cli import EXIT_NO_GPU, gpu_missing
 
-    p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--sizes", default="1024,4096,8192,16384")
-    p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--top", type=int, default=3)
+    p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--sizes", default="1024,4096,8192,16384", help="hidden sizes to tune")
+    p.add_argument("--dtype", default="bfloat16", help="input dtype")
+    p.add_argument("--top", type=int, default=3, help="candidates printed per size")
     p.add_argument("--direction", choices=["fwd", "bwd", "both"], default="both")
     p.add_argument("--rms", action="store_true", help="tune RMSNorm (default LayerNorm)")
     p.add_argument("--warps-n", default=None, help="WARPS_N values to try (default %s)" % (SHAPES["warps_n"],))
-    p.add_argument("--json", default=None, help="append the best knobs per size to this JSON-lines file")
+    p.add_argument("--json", action="store_true", help="print the best knobs per size as JSON lines")
+    p.add_argument("--output", default=None, help="append the best knobs per size to this JSON-lines file")
     a = p.parse_args(argv)
+    if gpu_missing(prog, a.json):
+        return EXIT_NO_GPU
+    out = sys.stderr if a.json else sys.stdout
     if a.warps_n:
         SHAPES["warps_n"] = tuple(int(v) for v in a.warps_n.split(","))
     copy = copy_bandwidth()
@@ -146,22 +151,27 @@ def main(argv=None):
         for backward in {"fwd": (False,), "bwd": (True,), "both": (False, True)}[a.direction]:
             m = 2**26 // n
             nbytes = (3 if backward else 2) * m * n * e + 8 * m
-            ranked = tune(n, a.dtype, backward, rms=a.rms)
-            if a.json and ranked:
+            ranked = tune(n, a.dtype, backward, rms=a.rms, out=out)
+            if ranked and (a.json or a.output):
                 ms, best = ranked[0]
                 general = n % dtypes.vector_elements(e) != 0  # contiguous rows of N: the general kernel
-                with open(a.json, "a") as f:
-                    f.write(json.dumps({"backward": backward, "rms": a.rms, "general": general, "n": n,
-                                        "dtype": a.dtype, "ms": ms, "fraction_of_copy": nbytes / (ms * 1e-3) / copy,
-                                        "knobs": list(best.knobs().values())}) + "\n")
+                line = json.dumps({"backward": backward, "rms": a.rms, "general": general, "n": n,
+                                   "dtype": a.dtype, "ms": ms, "fraction_of_copy": nbytes / (ms * 1e-3) / copy,
+                                   "knobs": list(best.knobs().values())})
+                if a.json:
+                    print(line, flush=True)
+                if a.output:
+                    with open(a.output, "a") as f:
+                        f.write(line + "\n")
             for ms, t in ranked[:a.top]:
                 frac = nbytes / (ms * 1e-3) / copy
                 print(f"TUNE {'rms-' if a.rms else ''}{'bwd' if backward else 'fwd'} N={n} {a.dtype} {frac:.3f} of copy "
                       f"{ms:.4f} ms "
                       f"knobs={tuple(int(v) for v in t.knobs().values())} "
                       f"ldgs={t.ldgs}",
-                      flush=True)
+                      file=out, flush=True)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -39,9 +39,12 @@ o = qkv[:, :, 8 * 64:16 * 64].reshape(2, 128, 8, 64)
 do = xp.asarray(rng.standard_normal((2, 128, 8, 64)).astype(bfloat16))
 print("attention_delta:", cunorm.attention_delta(o, do).shape)
 
-if on_gpu:
-    # What ran, and the exact source: for reading, re-templating and bug reports.
-    t = cunorm.Traits(hidden_size=4096, input_dtype="bfloat16", weight_dtype="float32",
-                      output_dtype="bfloat16", warps_n=4)
-    print(cunorm.render(t)[:400], "...")
-    print(cunorm.compile_only(t, arch=90).functions)
+# What runs, and the exact source: for reading, re-templating and bug reports. Rendering needs nothing;
+# compiling needs NVRTC (CuPy), not a GPU.
+t = cunorm.Traits(hidden_size=4096, input_dtype="bfloat16", weight_dtype="float32", warps_n=4)
+print(cunorm.explain(cunorm.layer_norm, x, w, b))
+print(cunorm.render(t)[:400], "...")
+try:
+    print(cunorm.compile_only(t, arch="sm_90").functions)
+except ImportError as e:  # no CuPy, so no NVRTC
+    print(f"compile_only needs NVRTC: {e}")

@@ -1,2 +1,2 @@
 # Ships the CUDA sources inside the wheel as the package `cunorm.kernels`
-# (pyproject.toml maps this folder there); cunorm/render.py reads them.
+# (pyproject.toml maps this folder there); cunorm/source.py reads them.

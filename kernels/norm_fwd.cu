@@ -93,7 +93,11 @@ norm_fwd(const input_t* x, const residual_t* residual, const weight_t* __restric
       }
     });
     reducer.allreduce(sq, at);
-    const float rstd = rsqrtf(sq[0] * inv_cols + eps);
+    // A row holding inf or NaN has a sum of squares that is not finite: all of its outputs, mean and rstd
+    // included, are NaN (documented; RMSNorm would otherwise give rstd = 0 and zeros beside the NaN).
+    const bool finite = (__float_as_uint(sq[0]) & 0x7f800000u) != 0x7f800000u;
+    const float rstd = finite ? rsqrtf(sq[0] * inv_cols + eps) : __uint_as_float(0x7fc00000u);
+    if (!finite) mean = rstd;
 
     if (row_ok) {
       with_edges(at, [&](auto edges) {
@@ -108,7 +112,7 @@ norm_fwd(const input_t* x, const residual_t* residual, const weight_t* __restric
           for (int e = 0; e < ELTS_PER_LDG; ++e) {
             // (h - mean) * rstd, not h * rstd - mean * rstd: exact even when |mean| >> std.
             // A row of one element normalizes to 0 (y = beta), whatever eps.
-            const float xhat = (!RMS && COLS == 1) ? 0.f : (value(it, e) - mean) * rstd;
+            const float xhat = (!RMS && COLS == 1) ? 0.f * rstd : (value(it, e) - mean) * rstd;  // NaN rows stay NaN
             const float scaled = HAS_WEIGHT ? xhat * scale_of(wv.get(e)) : xhat;
             out[e] = HAS_BIAS ? scaled + bv.get(e) : scaled;
           }

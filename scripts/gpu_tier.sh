@@ -23,9 +23,9 @@ for step in "${steps[@]}"; do
     check) run check python3 -m cunorm.cli check ;;
     sanitize) run sanitize compute-sanitizer --tool memcheck --error-exitcode 99 python3 scripts/sanitize_sample.py ;;
     racecheck) run racecheck compute-sanitizer --tool racecheck --error-exitcode 99 python3 scripts/sanitize_sample.py ;;
-    bench) run bench python3 -m cunorm.bench --json "$OUT/bench.json" ;;
-    host) run host python3 -m cunorm.bench --host --json "$OUT/host.json" ;;
-    graph) run graph python3 -m cunorm.bench --graph --json "$OUT/graph.json" ;;
+    bench) run bench python3 -m cunorm.bench --output "$OUT/bench.json" ;;
+    host) run host python3 -m cunorm.bench --host --output "$OUT/host.json" ;;
+    graph) run graph python3 -m cunorm.bench --graph --output "$OUT/graph.json" ;;
     *) echo "unknown step $step"; status=2 ;;
   esac
 done

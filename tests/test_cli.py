@@ -48,8 +48,9 @@ def test_check_compile_only_json():
     assert res.exit_code == 0, res.output
     out = json.loads(res.stdout)
     # LayerNorm: sizes x weight dtypes x ops; attention_delta: sizes x alignment caps.
-    assert out["failed"] == 0 and len(out["variants"]) == 2 * 2 * 2 + 2 * 2
-    assert all(v["ok"] for v in out["variants"])
+    assert out["failed"] == 0 and out["ok"] and len(out["variants"]) == 2 * 2 * 2 + 2 * 2
+    assert out["compiled"] == len(out["variants"]) and out["refused"] == 0
+    assert all(v["verdict"] == "clean" and v["spills"] is False for v in out["variants"])
 
 
 @pytest.mark.nvrtc
@@ -71,3 +72,72 @@ def test_check_compile_only_reports_failure(monkeypatch):
     monkeypatch.setattr(compiler, "compile_only", broken)
     res = CliRunner().invoke(cli.main, ["check", "--compile-only", "--sizes", "1024", "--dtypes", "fp32"])
     assert res.exit_code == 1 and "planted failure" in res.output
+
+
+@pytest.mark.nvrtc
+def test_compile_only_verdicts_say_what_was_compiled():
+    """Nothing compiled is not a pass; refused variants and spills are counted
+    as such, in the table and in the JSON."""
+    res = CliRunner().invoke(cli.main, ["check", "--compile-only", "--arch", "sm_75", "--sizes", "4096", "--op",
+                                        "fwd", "--sweep", "tuned", "--json"])
+    out = json.loads(res.stdout)
+    assert res.exit_code == 1 and out["compiled"] == 0 and out["refused"] == len(out["variants"]) > 0
+    assert not out["ok"] and all(v["verdict"] == "refused" for v in out["variants"])
+    res = CliRunner().invoke(cli.main, ["check", "--compile-only", "--arch", "sm_75", "--sizes", "4096", "--op",
+                                        "fwd", "--sweep", "tuned"])
+    assert res.exit_code == 1 and "0 compiled" in res.output and "nothing compiled" in res.output
+    # sm_80 without clusters: N = 18432's backward spills (a heuristic last resort), N = 262144 is refused.
+    res = CliRunner().invoke(cli.main, ["check", "--compile-only", "--arch", "sm_80", "--sizes", "18432,262144",
+                                        "--dtypes", "bf16", "--op", "bwd", "--sweep", "tuned", "--json"])
+    out = json.loads(res.stdout)
+    spilled = [v for v in out["variants"] if v.get("spills")]
+    assert out["spilled"] == len(spilled) > 0 and all(v["verdict"] == "spills" and v["spill_bytes"] > 0
+                                                       for v in spilled)
+    assert out["refused"] >= 1 and "262144" in json.dumps([v["error"] for v in out["variants"]
+                                                            if v["verdict"] == "refused"])
+
+
+def test_sizes_zero_is_a_usage_error():
+    res = CliRunner().invoke(cli.main, ["check", "--compile-only", "--sizes", "0"])
+    assert res.exit_code == 2 and "--sizes" in res.output
+
+
+def test_options_narrow_every_sweep():
+    from cunorm import check
+
+    cases = check.default_cases((16384,), (37,), ("float16",), ("rms_norm_backward",))
+    assert cases and {(c.hidden_size, c.dtype, c.op) for c in cases} == {(16384, "float16", "rms_norm_backward")}
+    sweeps = {s: check.default_cases((16384,), (37,), ("float16",), ("rms_norm_backward",), sweeps=(s,))
+              for s in check.SWEEPS}
+    assert all(c.hidden_size == 16384 and c.dtype == "float16" for cs in sweeps.values() for c in cs)
+
+
+def test_list_for_an_unsupported_arch_is_one_message():
+    res = CliRunner().invoke(cli.main, ["list", "--arch", "sm_75"])
+    assert res.exit_code == 1 and len(res.output.strip().splitlines()) == 1 and "sm_80" in res.output
+
+
+@pytest.mark.parametrize("verb", ["bench", "tune"])
+def test_bench_and_tune_without_gpu_say_so(verb, monkeypatch):
+    monkeypatch.setattr(cli, "gpu_count", lambda: 0)
+    res = CliRunner().invoke(cli.main, [verb])
+    assert res.exit_code == 3 and "no CUDA GPU found" in res.output and "Traceback" not in res.output
+    res = CliRunner().invoke(cli.main, [verb, "--json"])
+    assert res.exit_code == 3 and json.loads(res.stdout.splitlines()[0])["error"] == "no CUDA GPU found"
+
+
+def test_check_json_without_gpu_is_json(monkeypatch):
+    monkeypatch.setattr(cli, "gpu_count", lambda: 0)
+    res = CliRunner().invoke(cli.main, ["check", "--json", "--sizes", "1024"])
+    assert res.exit_code == 3 and json.loads(res.stdout.splitlines()[0])["exit"] == 3
+
+
+@pytest.mark.parametrize("module", ["cunorm", "cunorm.bench", "cunorm.tune"])
+def test_modules_run_and_show_defaults(module):
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    if module != "cunorm":
+        assert f"usage: python -m {module}" in out.stdout and "(default:" in out.stdout

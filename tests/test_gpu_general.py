@@ -389,3 +389,23 @@ def test_non_row_layouts_are_copied(rng):
     assert check.rel_l2(cunorm.layer_norm(x), cunorm.reference.layer_norm(x)[0]) < 8e-3
     x3 = _buffer((4, 300, 96), "float32", rng).transpose(1, 0, 2)
     assert check.rel_l2(cunorm.rms_norm(x3), cunorm.reference.rms_norm(x3)[0]) < 1e-5
+
+
+@pytest.mark.parametrize("n", [1, 1024, 4097, 65536])
+@pytest.mark.parametrize("rms", [False, True])
+def test_a_row_holding_inf_or_nan_is_all_nan(rms, n, rng):
+    """As documented and as the numpy path: every output of such a row is NaN
+    (RMSNorm used to give rstd = 0 and zeros beside the NaN); other rows are untouched."""
+    import cupy
+
+    x = cupy.asarray(rng.standard_normal((6, n)).astype(np.float32))
+    x[1, n // 2], x[2, 0], x[3, n - 1] = np.inf, np.nan, -np.inf
+    w = cupy.asarray(rng.standard_normal(n).astype(np.float32))
+    op = cunorm.rms_norm if rms else cunorm.layer_norm
+    y, *stats = op(x, w, return_stats=True)
+    ref = (cunorm.reference.rms_norm if rms else cunorm.reference.layer_norm)(x, w)
+    good = [0, 4, 5]
+    for got, want in zip([y] + stats, ref):
+        assert bool(cupy.isnan(got[1:4]).all())
+        assert bool(cupy.isnan(want[1:4]).all())  # the reference agrees
+        assert check.rel_l2(got[good], want[good]) < 1e-5

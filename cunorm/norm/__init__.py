@@ -9,7 +9,7 @@ value: checked when first seen, then looked up).
 """
 from __future__ import annotations
 
-from .. import plan
+from .. import arrays, kinds, plan
 from ..launch import f32_bits
 from . import calls, cpu, plans
 from .calls import BACKWARD, FORWARD, call_base  # noqa: F401  (call_base: the checker's dispatch fields)
@@ -41,11 +41,43 @@ def _eps_bits(eps) -> tuple:
 # Each public op first tries its cached plan (`plan.call_key`: the flags,
 # then each array's layout); a miss goes through `_forward` / `_backward`.
 
+PREVIEW_ARCH = 90  # numpy calls check `traits=` as for this GPU
+
+
+def _check_as_on_gpu(prepare, args: dict, base: dict, traits):
+    """The checks a GPU call makes that validation alone does not: the row
+    layout, `out=` against the inputs, and `traits=` for the call (on an
+    sm_90 GPU). numpy calls run them too, so both paths refuse the same things."""
+    described = {k: None if a is None else arrays.Arg(a.name, kinds.NumpyKind.describe(a.array), True)
+                 for k, a in args.items()}
+    p = prepare(described, base)
+    if traits is not None:
+        plan.resolve_traits(plans.Family, traits, p.base, PREVIEW_ARCH)
+    return p
+
+
+def _forward_call(rms, x, weight, bias, eps, residual, residual_dtype, zero_centered_weight, return_stats,
+                  out_dtype, out, traits):
+    """A forward call: its cached plan, or `_forward`. (Positional arguments: the hit path is counted in µs.)"""
+    values = (x, weight, bias, residual, out)
+    key, ptrs = _call_key(values, (rms, residual_dtype, zero_centered_weight, return_stats, out_dtype, traits))
+    hit = _CALLS.get(key)
+    if hit is not None:
+        try:
+            bits = _EPS[eps]
+        except (KeyError, TypeError):
+            bits = _eps_bits(eps)
+        return hit.run(values, ptrs, bits)
+    return _forward(rms, key, ptrs, x, weight, bias, eps, residual, residual_dtype, zero_centered_weight,
+                    return_stats, out_dtype, out, traits)
+
+
 def _forward(rms, key, ptrs, x, weight, bias, eps, residual, residual_dtype, zero_centered_weight, return_stats,
              out_dtype, out, traits):
     args, on_gpu, base, eps = calls.forward_args(rms, x, weight, bias, eps, residual, residual_dtype,
                                                  zero_centered_weight, out_dtype, out)
     if not on_gpu:
+        _check_as_on_gpu(plans.forward_prepare, args, base, traits)
         return cpu.forward(args, base, eps, rms, return_stats)
     with plan.on_device(args["x"].array.device_id):
         call, _ = plans.forward_plan(args, base, traits, rms, bool(return_stats))
@@ -58,6 +90,7 @@ def _backward(rms, key, dy, x, mean, rstd, weight, has_bias, bias_dtype, dresidu
     args, on_gpu, base = calls.backward_args(rms, dy, x, mean, rstd, weight, has_bias, bias_dtype, dresidual,
                                              zero_centered_weight, out)
     if not on_gpu:
+        _check_as_on_gpu(plans.backward_prepare, args, base, traits)
         return cpu.backward(args, base, rms)
     with plan.on_device(args["x"].array.device_id):
         call, _ = plans.backward_plan(args, base, traits, rms)
@@ -86,17 +119,8 @@ def layer_norm(x, weight=None, bias=None, eps=1e-5, *, residual=None, residual_d
     normalizes to 0 (y = bias). NaN or inf in a row makes that row's outputs NaN.
     `traits`: a cunorm.Traits or a mapping of its knobs, to force a kernel.
     """
-    values = (x, weight, bias, residual, out)
-    key, ptrs = _call_key(values, (0, residual_dtype, zero_centered_weight, return_stats, out_dtype, traits))
-    hit = _CALLS.get(key)
-    if hit is not None:
-        try:
-            bits = _EPS[eps]
-        except (KeyError, TypeError):
-            bits = _eps_bits(eps)
-        return hit.run(values, ptrs, bits)
-    return _forward(False, key, ptrs, x, weight, bias, eps, residual, residual_dtype, zero_centered_weight,
-                    return_stats, out_dtype, out, traits)
+    return _forward_call(False, x, weight, bias, eps, residual, residual_dtype, zero_centered_weight, return_stats,
+                         out_dtype, out, traits)
 
 
 def rms_norm(x, weight=None, eps=1e-6, *, residual=None, residual_dtype=None, zero_centered_weight=False,
@@ -108,17 +132,8 @@ def rms_norm(x, weight=None, eps=1e-6, *, residual=None, residual_dtype=None, ze
     float32 rstd is appended. Layouts, dtypes, `out=` and `traits=` as in
     `layer_norm`.
     """
-    values = (x, weight, None, residual, out)
-    key, ptrs = _call_key(values, (1, residual_dtype, zero_centered_weight, return_stats, out_dtype, traits))
-    hit = _CALLS.get(key)
-    if hit is not None:
-        try:
-            bits = _EPS[eps]
-        except (KeyError, TypeError):
-            bits = _eps_bits(eps)
-        return hit.run(values, ptrs, bits)
-    return _forward(True, key, ptrs, x, weight, None, eps, residual, residual_dtype, zero_centered_weight,
-                    return_stats, out_dtype, out, traits)
+    return _forward_call(True, x, weight, None, eps, residual, residual_dtype, zero_centered_weight, return_stats,
+                         out_dtype, out, traits)
 
 
 def layer_norm_backward(dy, x, mean, rstd, weight=None, *, has_bias=True, bias_dtype=None, dresidual=None,

@@ -74,7 +74,7 @@ class Traits:
 
     hidden_size: int
     input_dtype: str = "float32"
-    weight_dtype: str | None = None  # None: input_dtype (weight, bias, y, residual and residual_out alike)
+    weight_dtype: str | None = None  # None: input_dtype for a tensor present (float32 for an absent one)
     output_dtype: str | None = None
     bias_dtype: str | None = None
     residual_dtype: str | None = None
@@ -103,9 +103,14 @@ class Traits:
 
     def __post_init__(self):
         object.__setattr__(self, "input_dtype", dtypes.name_of(self.input_dtype))
+        # Dtypes left out: x's for the tensors present; float32 for absent ones (what a call names for them).
+        present = dict(weight_dtype=self.has_weight, bias_dtype=self.has_bias, residual_dtype=self.has_residual,
+                       residual_out_dtype=self.has_residual and not self.backward)
         for field in DTYPE_FIELDS:
             value = getattr(self, field)
-            object.__setattr__(self, field, self.input_dtype if value is None else dtypes.name_of(value))
+            if value is None:
+                value = self.input_dtype if present.get(field, True) else "float32"
+            object.__setattr__(self, field, dtypes.name_of(value))
         if all(getattr(self, k) is None for k in KNOBS):
             from .dispatch import heuristic  # dispatch builds on this module
 

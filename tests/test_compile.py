@@ -98,3 +98,10 @@ def test_ptxas_log_parser():
     (f,) = parse_ptxas_log(log)
     assert (f.name, f.registers, f.stack_frame, f.spill_stores, f.smem_bytes) == ("k", 72, 8, 4, 128)
     assert f.spills
+
+
+def test_compile_only_takes_arch_names():
+    t = Traits(hidden_size=1024, input_dtype="bf16")
+    assert compile_only(t, "sm_80").arch == compile_only(t, 80).arch == 80
+    with pytest.raises(ValueError, match="arch"):
+        compile_only(t, "hopper")

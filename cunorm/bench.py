@@ -9,6 +9,7 @@ import sys
 import numpy as np
 
 from . import dtypes
+from .source import defined_kernels
 
 BENCH_SIZES = (768, 1024, 4096, 8192, 16384, 65536)
 DELTA_HEAD_DIMS = (64, 128, 256)
@@ -54,14 +55,15 @@ def copy_bandwidth(nbytes: int = 2**30) -> float:
 
 def norm_cases(sizes=BENCH_SIZES, dtype: str = "bfloat16", weight_dtype: str | None = None,
                variants=("layer_norm", "rms_norm", "layer_norm+residual", "rms_norm+residual"), layout="",
-               as_array=None):
+               as_array=None, source: str | None = None):
     """Yields (name, n, bytes, fn) for forward and backward at M*N = ELEMENTS.
     A "+residual" variant adds a residual (dresidual in the backward) of x's
     dtype. layout "stride+D" reads and writes rows D elements apart beyond N
     (slices of wider buffers). Bytes count each row tensor once plus the saved
     statistics (4 bytes a row each); weights and partial sums are not counted.
     `as_array` converts each CuPy array made (e.g. torch.from_dlpack: the calls
-    then take torch tensors)."""
+    then take torch tensors). `source`: an edited kernel file; the cases of the
+    direction it serves run it (the others are left out)."""
     import cupy
 
     from .norm import layer_norm, layer_norm_backward, rms_norm, rms_norm_backward
@@ -71,6 +73,7 @@ def norm_cases(sizes=BENCH_SIZES, dtype: str = "bfloat16", weight_dtype: str | N
     pad = int(layout.removeprefix("stride+")) if layout else 0
 
     conv = as_array or (lambda a: a)
+    served = set() if source is None else defined_kernels(source)
 
     def rows_of(m, n):
         buf = cupy.random.standard_normal((m, n + pad), dtype=np.float32).astype(dt)
@@ -89,16 +92,22 @@ def norm_cases(sizes=BENCH_SIZES, dtype: str = "bfloat16", weight_dtype: str | N
             stats = (4 if rms else 8) * m
             tensors = 2 + (res is not None) * 2
             name = variant + (f" {layout}" if layout else "")
+            fsrc = source if source is not None and "norm_fwd" in served else None
+            bsrc = source if source is not None and "norm_bwd" in served else None
             if rms:
-                fwd = lambda: rms_norm(x, w, residual=res, return_stats=True, out=outs[0])  # noqa: E731
+                fwd = lambda: rms_norm(x, w, residual=res, return_stats=True, out=outs[0], source=fsrc)  # noqa: E731
                 *_, rstd = fwd()
-                bwd = lambda: rms_norm_backward(dy, x, rstd, w, dresidual=res, out=outs[1])  # noqa: E731
+                bwd = lambda: rms_norm_backward(dy, x, rstd, w, dresidual=res, out=outs[1], source=bsrc)  # noqa: E731
             else:
-                fwd = lambda: layer_norm(x, w, b, residual=res, return_stats=True, out=outs[0])  # noqa: E731
+                fwd = lambda: layer_norm(x, w, b, residual=res, return_stats=True, out=outs[0],  # noqa: E731
+                                         source=fsrc)
                 *_, mean, rstd = fwd()
-                bwd = lambda: layer_norm_backward(dy, x, mean, rstd, w, dresidual=res, out=outs[1])  # noqa: E731
-            yield f"{name} fwd", n, tensors * m * n * e + stats, fwd
-            yield f"{name} bwd", n, (3 + (res is not None)) * m * n * e + stats, bwd
+                bwd = lambda: layer_norm_backward(dy, x, mean, rstd, w, dresidual=res, out=outs[1],  # noqa: E731
+                                                  source=bsrc)
+            if source is None or fsrc is not None:
+                yield f"{name} fwd", n, tensors * m * n * e + stats, fwd
+            if source is None or bsrc is not None:
+                yield f"{name} bwd", n, (3 + (res is not None)) * m * n * e + stats, bwd
 
 
 def delta_cases(head_dims=DELTA_HEAD_DIMS, dtype: str = "bfloat16"):
@@ -119,6 +128,44 @@ def delta_cases(head_dims=DELTA_HEAD_DIMS, dtype: str = "bfloat16"):
 # odd sizes beside their neighbours.
 STRIDED = ((4096,), "stride+64")
 ODD_SIZES = (4097, 65537)
+
+
+def compare(sizes, source: str, dtype="bfloat16", rounds: int = 5, repeat: int = 10, out=sys.stdout) -> dict:
+    """An interleaved A/B of the shipped kernels against an edited kernel file
+    (`source`), for the direction it serves: `rounds` rounds, each timing the
+    shipped call then the edited one; fraction of a same-run copy as median
+    [min, max] over the rounds, and whether the two ranges overlap (a
+    difference inside the spread is noise)."""
+    import cupy
+
+    copy = copy_bandwidth()
+    props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
+    results = {"gpu": props["name"].decode(), "copy_gbps": copy / 1e9, "rounds": rounds, "rows": []}
+    print(f"# {results['gpu']}: copy {copy / 1e9:.0f} GB/s; shipped vs edited source, {rounds} interleaved rounds",
+          file=out)
+    print(f"{'op':<30} {'N':>6} {'shipped':>22} {'edited':>22}  verdict", file=out)
+    pairs = zip(norm_cases(sizes, dtype, variants=("layer_norm", "rms_norm"), source=source),
+                norm_cases(sizes, dtype, variants=("layer_norm", "rms_norm"), source=_shipped_of(source)))
+    for (name, n, nbytes, edited), (_, _, _, shipped) in pairs:
+        fracs = {"shipped": [], "edited": []}
+        for _ in range(rounds):
+            for label, fn in (("shipped", shipped), ("edited", edited)):
+                fracs[label].append(nbytes / (median_ms(fn, repeat) * 1e-3) / copy)
+        stats = {k: (float(np.median(v)), min(v), max(v)) for k, v in fracs.items()}
+        (ms, ls, hs), (me, le, he) = stats["shipped"], stats["edited"]
+        verdict = "within noise" if le <= hs and ls <= he else ("edited faster" if me > ms else "edited slower")
+        results["rows"].append({"op": name, "n": n, **{k: dict(zip(("median", "min", "max"), v))
+                                                        for k, v in stats.items()}, "verdict": verdict})
+        print(f"{name:<30} {n:>6} {ms:.3f} [{ls:.3f}, {hs:.3f}] {me:.3f} [{le:.3f}, {he:.3f}]  {verdict}", file=out,
+              flush=True)
+    return results
+
+
+def _shipped_of(source: str) -> str:
+    """The shipped file an edited source replaces (same kernels)."""
+    from .source import _read
+
+    return _read("norm_fwd.cu" if "norm_fwd" in defined_kernels(source) else "norm_bwd.cu")
 
 
 def run(sizes=BENCH_SIZES, dtype="bfloat16", weight_dtype=None, repeat=20, out=sys.stdout,
@@ -320,14 +367,25 @@ def main(argv=None, prog: str = "python -m cunorm.bench") -> int:
                    "tensors, torch's own op) at the host shapes, instead of bandwidth")
     p.add_argument("--graph", action="store_true", help="bandwidth through the API beside CUDA-graph replay "
                    "(torch tensors), instead of the bandwidth table")
+    p.add_argument("--source", default=None, help="an edited copy of kernels/norm_fwd.cu or norm_bwd.cu: an "
+                   "interleaved A/B against the shipped file at --sizes")
+    p.add_argument("--rounds", type=int, default=5, help="interleaved A/B rounds (with --source)")
     p.add_argument("--json", action="store_true", help="print the results as JSON (the table goes to stderr)")
     p.add_argument("--output", default=None, help="also write the results as JSON to this file")
     a = p.parse_args(argv)
+    source = None
+    if a.source:
+        with open(a.source) as f:
+            source = f.read()
+        if not defined_kernels(source) & {"norm_fwd", "norm_bwd"}:
+            p.error(f"--source {a.source}: defines neither norm_fwd nor norm_bwd")
     if gpu_missing(prog, a.json):
         return EXIT_NO_GPU
     out = sys.stderr if a.json else sys.stdout
     ints = lambda text: tuple(int(v) for v in text.split(",") if v)  # noqa: E731
-    if a.host:
+    if source is not None:
+        res = compare(ints(a.sizes), source, a.dtype, a.rounds, max(a.repeat // 2, 5), out=out)
+    elif a.host:
         res = run_host(dtype=a.dtype, repeat=max(a.repeat // 3, 5), out=out)
     elif a.graph:
         res = run_graph(dtype=a.dtype, out=out)

@@ -469,7 +469,21 @@ def case_kernels(cases, arch: int):
                 yield traits, source
 
 
-def precompile(cases, device_id: int | None = None, workers: int = 16) -> int:
+def source_ops(text: str) -> tuple:
+    """The norm ops an edited kernel file serves, from the kernels it defines
+    (norm_fwd: the forwards; norm_bwd: the backwards); ValueError otherwise."""
+    from .source import defined_kernels
+
+    kernels = defined_kernels(text)
+    if "norm_fwd" in kernels:
+        return ("layer_norm", "rms_norm")
+    if "norm_bwd" in kernels:
+        return ("layer_norm_backward", "rms_norm_backward")
+    raise ValueError(f"source: defines neither norm_fwd nor norm_bwd (found {sorted(kernels) or 'no kernels'}); "
+                     f"pass an edited copy of kernels/norm_fwd.cu or kernels/norm_bwd.cu")
+
+
+def precompile(cases, device_id: int | None = None, workers: int = 16, source: str | None = None) -> int:
     """Compiles every distinct kernel the cases run, in parallel threads (the
     compile cache is thread-safe), so that running them is not compile-bound.
     Returns how many traits were compiled; cases with no legal traits are left
@@ -485,15 +499,16 @@ def precompile(cases, device_id: int | None = None, workers: int = 16) -> int:
 
     def build(t):
         with cupy.cuda.Device(dev):
-            kernels_for(t, dev)
+            kernels_for(t, dev, source)
 
     with ThreadPoolExecutor(max_workers=workers) as pool:
         list(pool.map(build, wanted))
     return len(wanted)
 
 
-def run_case(case: Case, rng=None) -> list:
-    """Runs one case on the current GPU; a Result per output."""
+def run_case(case: Case, rng=None, source: str | None = None) -> list:
+    """Runs one case on the current GPU; a Result per output. `source`: an
+    edited kernel file the norm op compiles in place of the shipped one."""
     from .attention_delta import attention_delta
 
     rng = rng or np.random.default_rng()
@@ -505,10 +520,10 @@ def run_case(case: Case, rng=None) -> list:
         return [Result(case, "delta", rel_l2(d, reference.attention_delta(o, go), delta_scale(o, go)), tol)]
     if case.op not in NORM_OPS:
         raise ValueError(f"unknown op {case.op!r}")
-    return (_run_backward if case.backward else _run_forward)(case, rng)
+    return (_run_backward if case.backward else _run_forward)(case, rng, source)
 
 
-def _run_forward(case: Case, rng) -> list:
+def _run_forward(case: Case, rng, source=None) -> list:
     from .norm import layer_norm, rms_norm
 
     x, w, b, r = _inputs(case, rng)
@@ -522,7 +537,7 @@ def _run_forward(case: Case, rng) -> list:
         y_ref, mean_ref, rstd_ref = reference.layer_norm(h, w, b, eps, zero_centered_weight=zc)
         stats_ref = [("mean", mean_ref), ("rstd", rstd_ref)]
     kwargs = dict(residual=r, zero_centered_weight=zc, return_stats=True, out_dtype=case.out_dtype,
-                  out=x if case.in_place else _given_out(case, case.out_dtype or case.dtype))
+                  out=x if case.in_place else _given_out(case, case.out_dtype or case.dtype), source=source)
     if r is not None and case.residual_out_dtype is not None:
         kwargs["residual_dtype"] = case.residual_out_dtype
     with poisoned_allocations():
@@ -556,7 +571,7 @@ def _dx_scale(dy, w, zero_centered: bool, rstd) -> float:
     return float(cupy.linalg.norm(g * reference._f64(rstd)[:, None]))
 
 
-def _run_backward(case: Case, rng) -> list:
+def _run_backward(case: Case, rng, source=None) -> list:
     import cupy
 
     from .norm import layer_norm_backward, rms_norm_backward
@@ -572,7 +587,8 @@ def _run_backward(case: Case, rng) -> list:
                           g.standard_normal((m, n), dtype="float32"))
     zc = case.zero_centered
     eps = 1e-5
-    kwargs = dict(dresidual=dres, zero_centered_weight=zc, out=dy if case.in_place else _given_out(case, case.dtype))
+    kwargs = dict(dresidual=dres, zero_centered_weight=zc, out=dy if case.in_place else _given_out(case, case.dtype),
+                  source=source)
     if case.rms:
         _, rstd = reference.rms_norm(x, w, eps, zero_centered_weight=zc)
         rstd = cupy.asarray(rstd, dtype=np.float32)

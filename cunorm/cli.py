@@ -85,28 +85,40 @@ def main():
 @click.option("--compile-only", is_flag=True, help="Compile every variant with NVRTC (no GPU) and report "
               "registers and spills.")
 @click.option("--arch", default="sm_90", show_default=True, help="Target architecture for --compile-only.")
+@click.option("--source", "source_file", type=click.Path(exists=True, dir_okay=False),
+              help="An edited copy of kernels/norm_fwd.cu or norm_bwd.cu to check in place of the shipped one "
+                   "(the ops it serves).")
 @click.option("--json", "as_json", is_flag=True, help="Print results as JSON.")
-def check(sizes, rows, dtype_names, ops, sweeps, seed, compile_only, arch, as_json):
+def check(sizes, rows, dtype_names, ops, sweeps, seed, compile_only, arch, source_file, as_json):
     """Check the kernels against the float64 reference (exit 0: all pass, 1: a failure, 3: no GPU)."""
-    from .check import OPS, SWEEPS, default_cases
+    from .check import OPS, SWEEPS, default_cases, source_ops
 
     op_names = tuple(OP_NAMES[o] for o in ops) or OPS
+    source = None
+    if source_file:
+        with open(source_file) as f:
+            source = f.read()
+        try:
+            served = source_ops(source)
+        except ValueError as e:
+            raise click.BadParameter(str(e), param_hint="--source") from None
+        op_names = tuple(o for o in op_names if o in served) or served
     if sizes and min(sizes) < 1:
         raise click.BadParameter(f"hidden sizes must be >= 1, got {min(sizes)}", param_hint="--sizes")
     cases = default_cases(sizes, rows or (1, 37, 4096), dtype_names or dtypes.NAMES, op_names,
                           sweeps=sweeps or SWEEPS)
     if compile_only:
-        sys.exit(_compile_only(cases, _arch(arch), as_json))
+        sys.exit(_compile_only(cases, _arch(arch), as_json, source))
     if gpu_missing("cunorm check", as_json, "use --compile-only to check compilation without one"):
         sys.exit(EXIT_NO_GPU)
     from .check import precompile, run_case
 
     rng = np.random.default_rng(seed)
-    precompile(cases)
+    precompile(cases, source=source)
     results = []
     with click.progressbar(cases, label="checking", file=sys.stderr) as bar:
         for case in bar:
-            results += run_case(case, rng)
+            results += run_case(case, rng, source)
     failed = [r for r in results if not r.ok]
     if as_json:
         click.echo(json.dumps({"results": [r.as_dict() for r in results], "failed": len(failed)}, indent=1))
@@ -119,7 +131,7 @@ def check(sizes, rows, dtype_names, ops, sweeps, seed, compile_only, arch, as_js
     sys.exit(EXIT_FAIL if failed else 0)
 
 
-def _compile_only(cases, arch, as_json) -> int:
+def _compile_only(cases, arch, as_json, source=None) -> int:
     """Compiles every distinct variant the cases run on `arch` and says, of
     each, what happened: compiled clean, compiled with spills (a failure for a
     tuned entry; a heuristic last resort may spill), refused (dispatch has no
@@ -131,18 +143,18 @@ def _compile_only(cases, arch, as_json) -> int:
     rows = []
     variants = list(case_kernels(cases, arch))
     with click.progressbar(variants, label=f"compiling for sm_{arch}", file=sys.stderr) as bar:
-        for traits, source in bar:
+        for traits, origin in bar:
             if isinstance(traits, ValueError):
-                rows.append({"source": source, "verdict": "refused", "error": str(traits)})
+                rows.append({"source": origin, "verdict": "refused", "error": str(traits)})
                 continue
-            row = {"label": traits.short(), "traits": traits.knobs(), "source": source}
+            row = {"label": traits.short(), "traits": traits.knobs(), "source": origin}
             try:
-                report = compile_only(traits, arch)
+                report = compile_only(traits, arch, source)
             except (CompileError, ValueError) as e:
                 rows.append({**row, "verdict": "failed", "error": str(e)})
                 continue
             spills = not report.clean
-            verdict = "clean" if not spills else "failed: a tuned entry spills" if source == "tuned" else "spills"
+            verdict = "clean" if not spills else "failed: a tuned entry spills" if origin == "tuned" else "spills"
             rows.append({**row, "verdict": verdict, "spills": spills,
                          "spill_bytes": sum(f.spill_stores + f.spill_loads for f in report.functions),
                          "functions": [f.__dict__ for f in report.functions]})

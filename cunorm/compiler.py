@@ -76,20 +76,35 @@ def arch_number(arch) -> int:
     return int(text)
 
 
-def compile_only(traits, arch: int | str = 90) -> CompileReport:
-    """Compile `traits`'s kernels for sm_<arch> (90 or "sm_90") with NVRTC; needs no GPU."""
+def _error_context(log: str, text: str, around: int = 2) -> str:
+    """The rendered text's lines the NVRTC log points at ("file(LINE): error"),
+    numbered as in the rendered text, with `around` lines either side."""
+    lines = text.splitlines()
+    wanted = sorted({int(n) for n in re.findall(r"\((\d+)\): (?:error|warning)", log)})[:5]
+    out = []
+    for n in wanted:
+        out.append(f"--- rendered text, line {n}:")
+        for i in range(max(1, n - around), min(len(lines), n + around) + 1):
+            out.append(f"{'>' if i == n else ' '}{i:6d}  {lines[i - 1]}")
+    return "\n".join(out)
+
+
+def compile_only(traits, arch: int | str = 90, source: str | None = None) -> CompileReport:
+    """Compile `traits`'s kernels for sm_<arch> (90 or "sm_90") with NVRTC;
+    needs no GPU. `source`: an edited copy of the traits' kernel file."""
     arch = arch_number(arch)
     traits.check_arch(arch)
     from cupy_backends.cuda.libs import nvrtc
 
-    source = render(traits)
-    prog = nvrtc.createProgram(source, traits.source_file, [], [])
+    text = render(traits, source)
+    prog = nvrtc.createProgram(text, traits.source_file, [], [])
     try:
         try:
             nvrtc.compileProgram(prog, [*NVRTC_OPTIONS, f"-arch=sm_{arch}", "--ptxas-options=-v"])
         except nvrtc.NVRTCError as e:
-            raise CompileError(f"{traits.short()} failed to compile for sm_{arch}: {e}\n"
-                               f"{nvrtc.getProgramLog(prog)}") from None
+            log = nvrtc.getProgramLog(prog)
+            raise CompileError(f"{traits.short()} failed to compile for sm_{arch}: {e}\n{log}\n"
+                               f"{_error_context(log, text)}") from None
         log = nvrtc.getProgramLog(prog)
         cubin = nvrtc.getCUBIN(prog)
     finally:
@@ -128,10 +143,11 @@ def device_arch(device_id: int) -> int:
     return int(cupy.cuda.Device(device_id).compute_capability)
 
 
-def kernels_for(traits, device_id: int) -> dict:
-    """{name: Kernel} for `traits` on GPU `device_id`, compiled on first use.
-    Threads asking for the same kernels at once compile them once."""
-    key = (traits, device_id)
+def kernels_for(traits, device_id: int, source: str | None = None) -> dict:
+    """{name: Kernel} for `traits` (and an edited kernel file `source`, if
+    given) on GPU `device_id`, compiled on first use. Threads asking for the
+    same kernels at once compile them once."""
+    key = (traits, device_id, source)
     hit = _cache.get(key)
     if hit is not None:
         return hit
@@ -140,24 +156,25 @@ def kernels_for(traits, device_id: int) -> dict:
     with lock:
         hit = _cache.get(key)
         if hit is None:
-            hit = _load(traits, device_id)
+            hit = _load(traits, device_id, source)
             _cache[key] = hit
     return hit
 
 
-def _load(traits, device_id: int) -> dict:
+def _load(traits, device_id: int, source: str | None = None) -> dict:
     import cupy
 
     traits.check_arch(device_arch(device_id))
+    text = render(traits, source)
     with cupy.cuda.Device(device_id) as dev:
-        module = cupy.RawModule(code=render(traits), options=NVRTC_OPTIONS)
+        module = cupy.RawModule(code=text, options=NVRTC_OPTIONS)
         sm_count = dev.attributes["MultiProcessorCount"]
         out = {}
         for name, (threads, smem, cluster) in traits.launches().items():
             try:
                 fn = module.get_function(name)
             except cupy.cuda.compiler.CompileException as e:
-                raise CompileError(f"{traits.short()} failed to compile: {e}") from None
+                raise CompileError(f"{traits.short()} failed to compile: {e}\n{_error_context(str(e), text)}") from None
             if smem:  # static + dynamic above 48 KB must be asked for; asking is harmless below
                 fn.max_dynamic_shared_size_bytes = smem
             blocks = _blocks_per_sm(fn, threads, smem)

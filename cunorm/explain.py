@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from . import dispatch, dtypes, kinds, layout, norm, plan
 from .compiler import arch_number, device_arch
 from .norm import calls, plans
+from .source import check_source
 from .traits import Traits
 
 OPS = {"layer_norm": (norm.layer_norm, False, False), "rms_norm": (norm.rms_norm, True, False),
@@ -75,7 +76,7 @@ def explain(op, *args, arch: int | str | None = None, **kwargs) -> Explanation:
     bound = inspect.signature(fn).bind(*args, **kwargs)
     bound.apply_defaults()
     a = dict(bound.arguments)
-    traits = a.pop("traits")
+    traits, source = a.pop("traits"), a.pop("source")
     if backward:
         call_args, on_gpu, base = calls.backward_args(rms, a["dy"], a["x"], a.get("mean"), a["rstd"], a["weight"],
                                                       a.get("has_bias", False), a.get("bias_dtype"),
@@ -97,19 +98,22 @@ def explain(op, *args, arch: int | str | None = None, **kwargs) -> Explanation:
         reasons.append(f"numpy inputs run the float64 reference on the CPU; on an sm_{arch} GPU this call would "
                        f"run what follows")
     if traits is None:
-        t, source = dispatch.choose(arch=arch, **p.base)
+        t, origin = dispatch.choose(arch=arch, **p.base)
     else:
-        t, source = plan.resolve_traits(plans.Family, traits, p.base, arch), "caller"
+        t, origin = plan.resolve_traits(plans.Family, traits, p.base, arch), "caller"
+    if source is not None:
+        check_source(t, source)
+        reasons.append(f"source: an edited {t.source_file} (the caller's), compiled in place of the shipped one")
     reasons += _layout_reasons(p, t)
-    if source == "tuned":
+    if origin == "tuned":
         neighbour = dispatch.tuned_neighbour(t.hidden_size, t.input_dtype)
         general = not t.aligned_rows and dispatch.tuned_knobs(t.backward, neighbour, t.input_dtype, general=True)
         reasons.append(f"dispatch: the tuned entry for {'general rows beside ' if general else ''}N={neighbour} "
                        f"(sm_{dispatch.TUNED_ARCH})")
-    elif source == "heuristic":
+    elif origin == "heuristic":
         reasons.append("dispatch: the heuristic (no tuned entry applies: other GPU, size, residual or layout)")
     path = path_of(t, p.base["max_vector"]) if on_gpu else "reference"
-    return Explanation(name, path, t, source, tuple(reasons), arch)
+    return Explanation(name, path, t, origin, tuple(reasons), arch)
 
 
 def _explain_delta(out, grad_out, *, traits=None, arch=None) -> Explanation:

@@ -18,6 +18,7 @@ from collections.abc import Mapping
 
 from .compiler import device_arch, kernels_for
 from .kinds import kind_of
+from .source import check_source
 
 CALLS: dict = {}  # cache key -> launch.CallPlan
 MAX_CALLS = 4096
@@ -64,11 +65,11 @@ def remember(key, call):
 
 
 @functools.lru_cache(maxsize=4096)
-def _plan(family, base: tuple, device_id: int, knobs: tuple | None):
+def _plan(family, base: tuple, device_id: int, knobs: tuple | None, source: str | None):
     """Traits and loaded kernels for a call signature on a device, cached so
     that repeated calls skip dispatch and traits checks."""
     traits = choose_traits(family, base, device_arch(device_id), knobs)
-    return traits, kernels_for(traits, device_id)
+    return traits, kernels_for(traits, device_id, None if source is None else check_source(traits, source))
 
 
 @functools.lru_cache(maxsize=4096)
@@ -105,13 +106,14 @@ def _knobs(family, traits, key: tuple, arch: int):
     raise TypeError(f"traits: expected a cunorm.{cls.__name__} or a mapping of knobs, got {type(traits).__name__}")
 
 
-def resolve(family, traits, base: dict, device_id: int):
+def resolve(family, traits, base: dict, device_id: int, source: str | None = None):
     """(traits, kernels) for a call. `family` names its `traits_class` (with a
     KNOBS tuple), `choose(arch=..., **base)` and optionally
     `from_knobs(knobs, **base)`; `traits` is None (dispatch), a traits object
-    (must match the call) or a mapping of knobs."""
+    (must match the call) or a mapping of knobs; `source` an edited copy of
+    the traits' kernel file, compiled in place of the shipped one."""
     key = tuple(sorted(base.items()))
-    return _plan(family, key, device_id, _knobs(family, traits, key, device_arch(device_id)))
+    return _plan(family, key, device_id, _knobs(family, traits, key, device_arch(device_id)), source)
 
 
 def resolve_traits(family, traits, base: dict, arch: int):

@@ -66,7 +66,7 @@ def test_check_compile_only_covers_the_general_kernel():
 def test_check_compile_only_reports_failure(monkeypatch):
     from cunorm import compiler
 
-    def broken(traits, arch=90):
+    def broken(traits, arch=90, source=None):
         raise compiler.CompileError("planted failure")
 
     monkeypatch.setattr(compiler, "compile_only", broken)

@@ -3,6 +3,7 @@ no spills and no stack frame (except the heuristic's documented last resorts
 for rows no smaller CTA holds). Needs NVRTC, not a GPU."""
 import pytest
 
+import cunorm
 from cunorm import Traits, compile_only, dispatch, dtypes
 from cunorm.compiler import parse_ptxas_log
 from cunorm.traits import PREFERRED_ELTS_PER_THREAD
@@ -105,3 +106,53 @@ def test_compile_only_takes_arch_names():
     assert compile_only(t, "sm_80").arch == compile_only(t, 80).arch == 80
     with pytest.raises(ValueError, match="arch"):
         compile_only(t, "hopper")
+
+
+def _edited_forward(change: str) -> str:
+    """kernels/norm_fwd.cu with one visible edit (the output line rewritten)."""
+    from cunorm.source import _read
+
+    shipped = _read("norm_fwd.cu")
+    line = "out[e] = HAS_BIAS ? scaled + bv.get(e) : scaled;"
+    assert line in shipped
+    return shipped.replace(line, change)
+
+
+def test_an_edited_source_compiles_without_a_gpu():
+    t = Traits(hidden_size=4096, input_dtype="bf16", warps_n=4)
+    edited = _edited_forward("out[e] = 2.f * (HAS_BIAS ? scaled + bv.get(e) : scaled);  // edited")
+    report = compile_only(t, 90, edited)
+    assert report.clean and {f.name for f in report.functions} == {"norm_fwd"}
+    assert "// edited" in cunorm.render(t, edited) and "// edited" not in cunorm.render(t)
+
+
+def test_a_broken_source_shows_the_rendered_lines():
+    from cunorm import CompileError
+
+    t = Traits(hidden_size=4096, input_dtype="bf16", warps_n=4)
+    with pytest.raises(CompileError) as e:
+        compile_only(t, 90, _edited_forward("out[e] = not_a_name;"))
+    message = str(e.value)
+    assert "not_a_name" in message and "rendered text, line" in message
+    number = int(message.split("rendered text, line ")[1].split(":")[0])
+    assert cunorm.render(t, _edited_forward("out[e] = not_a_name;")).splitlines()[number - 1].strip().startswith(
+        "out[e] = not_a_name")
+
+
+def test_check_compile_only_takes_a_source(tmp_path):
+    import json
+
+    from click.testing import CliRunner
+
+    from cunorm import cli
+
+    good, bad = tmp_path / "fwd.cu", tmp_path / "broken.cu"
+    good.write_text(_edited_forward("out[e] = 2.f * (HAS_BIAS ? scaled + bv.get(e) : scaled);"))
+    bad.write_text(_edited_forward("out[e] = not_a_name;"))
+    args = ["check", "--compile-only", "--sizes", "1024", "--dtypes", "bf16", "--sweep", "tuned", "--json"]
+    res = CliRunner().invoke(cli.main, args + ["--source", str(good)])
+    out = json.loads(res.stdout)
+    assert res.exit_code == 0 and out["compiled"] == len(out["variants"]) > 0
+    assert all("norm_fwd" == f["name"] for v in out["variants"] for f in v["functions"])  # the forwards only
+    res = CliRunner().invoke(cli.main, args + ["--source", str(bad)])
+    assert res.exit_code == 1 and json.loads(res.stdout)["failed"] > 0

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from .. import arrays, kinds, plan
 from ..launch import f32_bits
+from ..source import check_source
 from . import calls, cpu, plans
 from .calls import BACKWARD, FORWARD, call_base  # noqa: F401  (call_base: the checker's dispatch fields)
 
@@ -44,23 +45,26 @@ def _eps_bits(eps) -> tuple:
 PREVIEW_ARCH = 90  # numpy calls check `traits=` as for this GPU
 
 
-def _check_as_on_gpu(prepare, args: dict, base: dict, traits):
+def _check_as_on_gpu(prepare, args: dict, base: dict, traits, source=None):
     """The checks a GPU call makes that validation alone does not: the row
     layout, `out=` against the inputs, and `traits=` for the call (on an
     sm_90 GPU). numpy calls run them too, so both paths refuse the same things."""
     described = {k: None if a is None else arrays.Arg(a.name, kinds.NumpyKind.describe(a.array), True)
                  for k, a in args.items()}
     p = prepare(described, base)
-    if traits is not None:
-        plan.resolve_traits(plans.Family, traits, p.base, PREVIEW_ARCH)
+    if traits is not None or source is not None:
+        t = plan.resolve_traits(plans.Family, traits, p.base, PREVIEW_ARCH)
+        if source is not None:
+            check_source(t, source)
     return p
 
 
 def _forward_call(rms, x, weight, bias, eps, residual, residual_dtype, zero_centered_weight, return_stats,
-                  out_dtype, out, traits):
+                  out_dtype, out, traits, source):
     """A forward call: its cached plan, or `_forward`. (Positional arguments: the hit path is counted in µs.)"""
     values = (x, weight, bias, residual, out)
-    key, ptrs = _call_key(values, (rms, residual_dtype, zero_centered_weight, return_stats, out_dtype, traits))
+    key, ptrs = _call_key(values, (rms, residual_dtype, zero_centered_weight, return_stats, out_dtype, source,
+                                   traits))
     hit = _CALLS.get(key)
     if hit is not None:
         try:
@@ -69,37 +73,37 @@ def _forward_call(rms, x, weight, bias, eps, residual, residual_dtype, zero_cent
             bits = _eps_bits(eps)
         return hit.run(values, ptrs, bits)
     return _forward(rms, key, ptrs, x, weight, bias, eps, residual, residual_dtype, zero_centered_weight,
-                    return_stats, out_dtype, out, traits)
+                    return_stats, out_dtype, out, traits, source)
 
 
 def _forward(rms, key, ptrs, x, weight, bias, eps, residual, residual_dtype, zero_centered_weight, return_stats,
-             out_dtype, out, traits):
+             out_dtype, out, traits, source):
     args, on_gpu, base, eps = calls.forward_args(rms, x, weight, bias, eps, residual, residual_dtype,
                                                  zero_centered_weight, out_dtype, out)
     if not on_gpu:
-        _check_as_on_gpu(plans.forward_prepare, args, base, traits)
+        _check_as_on_gpu(plans.forward_prepare, args, base, traits, source)
         return cpu.forward(args, base, eps, rms, return_stats)
     with plan.on_device(args["x"].array.device_id):
-        call, _ = plans.forward_plan(args, base, traits, rms, bool(return_stats))
+        call, _ = plans.forward_plan(args, base, traits, rms, bool(return_stats), source)
     plan.remember(key, call)
     return call.run(*_objs_and_ptrs(args, FORWARD.arrays), _eps_bits(eps))
 
 
 def _backward(rms, key, dy, x, mean, rstd, weight, has_bias, bias_dtype, dresidual, zero_centered_weight, out,
-              traits):
+              traits, source):
     args, on_gpu, base = calls.backward_args(rms, dy, x, mean, rstd, weight, has_bias, bias_dtype, dresidual,
                                              zero_centered_weight, out)
     if not on_gpu:
-        _check_as_on_gpu(plans.backward_prepare, args, base, traits)
+        _check_as_on_gpu(plans.backward_prepare, args, base, traits, source)
         return cpu.backward(args, base, rms)
     with plan.on_device(args["x"].array.device_id):
-        call, _ = plans.backward_plan(args, base, traits, rms)
+        call, _ = plans.backward_plan(args, base, traits, rms, source)
     plan.remember(key, call)
     return call.run(*_objs_and_ptrs(args, BACKWARD.arrays))
 
 
 def layer_norm(x, weight=None, bias=None, eps=1e-5, *, residual=None, residual_dtype=None,
-               zero_centered_weight=False, return_stats=False, out_dtype=None, out=None, traits=None):
+               zero_centered_weight=False, return_stats=False, out_dtype=None, out=None, traits=None, source=None):
     """LayerNorm over the last axis: y = (h - mean) / sqrt(var + eps) * w + bias,
     where h = x, or h = x + residual (summed in fp32) when a residual is given,
     and w = weight, or 1 + weight with `zero_centered_weight=True` (in fp32).
@@ -118,26 +122,29 @@ def layer_norm(x, weight=None, bias=None, eps=1e-5, *, residual=None, residual_d
     numpy arrays run the float64 reference. eps >= 0; a row of one element
     normalizes to 0 (y = bias). NaN or inf in a row makes that row's outputs NaN.
     `traits`: a cunorm.Traits or a mapping of its knobs, to force a kernel.
+    `source`: the text of an edited copy of kernels/norm_fwd.cu (norm_bwd.cu
+    for the backwards), compiled and run in place of the shipped file, with
+    every check of the shipped path (see README, "Your own kernel").
     """
     return _forward_call(False, x, weight, bias, eps, residual, residual_dtype, zero_centered_weight, return_stats,
-                         out_dtype, out, traits)
+                         out_dtype, out, traits, source)
 
 
 def rms_norm(x, weight=None, eps=1e-6, *, residual=None, residual_dtype=None, zero_centered_weight=False,
-             return_stats=False, out_dtype=None, out=None, traits=None):
+             return_stats=False, out_dtype=None, out=None, traits=None, source=None):
     """RMSNorm over the last axis: y = h * rstd * w with rstd = 1 / sqrt(mean(h^2) + eps),
     h = x or x + residual (fp32), w = weight or 1 + weight (`zero_centered_weight`).
 
     Returns y; with a residual (y, residual_out); with `return_stats=True` the
-    float32 rstd is appended. Layouts, dtypes, `out=` and `traits=` as in
-    `layer_norm`.
+    float32 rstd is appended. Layouts, dtypes, `out=`, `traits=` and
+    `source=` as in `layer_norm`.
     """
     return _forward_call(True, x, weight, None, eps, residual, residual_dtype, zero_centered_weight, return_stats,
-                         out_dtype, out, traits)
+                         out_dtype, out, traits, source)
 
 
 def layer_norm_backward(dy, x, mean, rstd, weight=None, *, has_bias=True, bias_dtype=None, dresidual=None,
-                        zero_centered_weight=False, out=None, traits=None):
+                        zero_centered_weight=False, out=None, traits=None, source=None):
     """Gradients of `layer_norm` given dy and the forward's saved mean and rstd.
 
     x is what was normalized (residual_out when a residual was used). Returns
@@ -150,20 +157,21 @@ def layer_norm_backward(dy, x, mean, rstd, weight=None, *, has_bias=True, bias_d
     with zero_centered_weight.
     """
     values = (dy, x, mean, rstd, weight, dresidual, out)
-    key, ptrs = _call_key(values, (2, has_bias, bias_dtype, zero_centered_weight, traits))
+    key, ptrs = _call_key(values, (2, has_bias, bias_dtype, zero_centered_weight, source, traits))
     hit = _CALLS.get(key)
     if hit is not None:
         return hit.run(values, ptrs)
     return _backward(False, key, dy, x, mean, rstd, weight, has_bias, bias_dtype, dresidual, zero_centered_weight,
-                     out, traits)
+                     out, traits, source)
 
 
 def rms_norm_backward(dy, x, rstd, weight=None, *, dresidual=None, zero_centered_weight=False, out=None,
-                      traits=None):
+                      traits=None, source=None):
     """Gradients of `rms_norm`: (dx, dweight), as in `layer_norm_backward`."""
     values = (dy, x, None, rstd, weight, dresidual, out)
-    key, ptrs = _call_key(values, (3, zero_centered_weight, traits))
+    key, ptrs = _call_key(values, (3, zero_centered_weight, source, traits))
     hit = _CALLS.get(key)
     if hit is not None:
         return hit.run(values, ptrs)
-    return _backward(True, key, dy, x, None, rstd, weight, False, None, dresidual, zero_centered_weight, out, traits)
+    return _backward(True, key, dy, x, None, rstd, weight, False, None, dresidual, zero_centered_weight, out, traits,
+                     source)

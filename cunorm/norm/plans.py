@@ -45,8 +45,8 @@ class Prepared:
     def row_list(self) -> list:
         return [r for r in self.rows.values() if r is not None]
 
-    def resolve(self, traits, device_id: int):
-        return plan.resolve(Family, traits, self.base, device_id)
+    def resolve(self, traits, device_id: int, source: str | None = None):
+        return plan.resolve(Family, traits, self.base, device_id, source)
 
     def grid_groups(self, kernel, t: Traits) -> int:
         """Row groups of a persistent grid: one wave of CTAs, each walking many
@@ -153,13 +153,13 @@ def _picker(picks: list):
     return result
 
 
-def forward_plan(args: dict, base: dict, traits, rms: bool, return_stats: bool) -> tuple:
+def forward_plan(args: dict, base: dict, traits, rms: bool, return_stats: bool, source: str | None = None) -> tuple:
     """(CallPlan, Prepared) of a validated forward call on the GPU."""
     X, W, B, R, O = (args[k] for k in FORWARD.arrays)
     x = X.array
     device = x.device_id
     p = forward_prepare(args, base)
-    t, kernels = p.resolve(traits, device)
+    t, kernels = p.resolve(traits, device, source)
     shape, lead = tuple(x.shape), tuple(x.shape[:-1])
     y_row = p.rows["y" if O is None else "out"]
     outputs, picks = [], []
@@ -195,13 +195,13 @@ def forward_plan(args: dict, base: dict, traits, rms: bool, return_stats: bool) 
                     full_overlap_check=_overlap_check(FORWARD, p.n), scalars=("eps",), result=_picker(picks)), p
 
 
-def backward_plan(args: dict, base: dict, traits, rms: bool) -> tuple:
+def backward_plan(args: dict, base: dict, traits, rms: bool, source: str | None = None) -> tuple:
     """(CallPlan, Prepared) of a validated backward call on the GPU."""
     X, W, O = args["x"], args["weight"], args["out"]
     x = X.array
     device, n = x.device_id, base["hidden_size"]
     p = backward_prepare(args, base)
-    t, kernels = p.resolve(traits, device)
+    t, kernels = p.resolve(traits, device, source)
     dx_row = p.rows["dx" if O is None else "out"]
     outputs, picks = [], []
     if O is None:

@@ -157,7 +157,7 @@ def test_kernels_compile_once_under_concurrent_requests(monkeypatch):
 
     calls = []
 
-    def slow_load(traits, device_id):
+    def slow_load(traits, device_id, source=None):
         calls.append(traits)
         time.sleep(0.2)
         return {"k": object()}

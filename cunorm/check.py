@@ -445,11 +445,13 @@ def _given_out(case: Case, dtype: str):
     return row_tensor(None, m, n, dtype, case.out_layout, cupy.full((m, n), np.nan, dtype=np.float32))
 
 
-def case_kernels(cases, arch: int):
-    """(traits, source) of every distinct kernel the cases run on `arch`, in
-    order; a ValueError (source "unsupported") stands in for a case with no
+def case_kernels(cases, arch: int, spills=None):
+    """(traits, origin) of every distinct kernel the cases run on `arch`, in
+    order; a ValueError (origin "unsupported") stands in for a case with no
     legal traits there. attention_delta cases count both its aligned and its
-    narrowest (offset view) kernels."""
+    narrowest (offset view) kernels. `spills(traits)`, when given, says
+    whether traits compile with spills: a tuned entry that does is replaced by
+    the heuristic's pick, as the GPU path replaces it (`plan._plan`)."""
     from .attention_delta import heuristic as delta_heuristic
 
     seen = set()
@@ -459,14 +461,17 @@ def case_kernels(cases, arch: int):
                      for cap in (16, 1)]
         else:
             try:
-                found = [dispatch.choose(arch=arch, **case_call(case))]
+                call = case_call(case)
+                found = [dispatch.choose(arch=arch, **call)]
             except ValueError as e:
                 yield e, "unsupported"
                 continue
-        for traits, source in found:
+            if spills is not None and found[0][1] == "tuned" and spills(found[0][0]):
+                found = [(dispatch.choose(arch=arch, tuned=False, **call)[0], "heuristic (the tuned entry spills)")]
+        for traits, origin in found:
             if traits not in seen:
                 seen.add(traits)
-                yield traits, source
+                yield traits, origin
 
 
 def source_ops(text: str) -> tuple:

@@ -140,18 +140,31 @@ def _compile_only(cases, arch, as_json, source=None) -> int:
     from .check import case_kernels
     from .compiler import CompileError, compile_only
 
-    rows = []
-    variants = list(case_kernels(cases, arch))
+    rows, reports = [], {}
+
+    def report_of(traits):  # compiled once, whether asked for by the spill fallback or by the loop
+        if traits not in reports:
+            try:
+                reports[traits] = compile_only(traits, arch, source)
+            except (CompileError, ValueError) as e:
+                reports[traits] = e
+        return reports[traits]
+
+    def spills(traits) -> bool:
+        report = report_of(traits)
+        return not isinstance(report, Exception) and not report.clean
+
+    variants = list(case_kernels(cases, arch, None if source is not None else spills))
     with click.progressbar(variants, label=f"compiling for sm_{arch}", file=sys.stderr) as bar:
         for traits, origin in bar:
             if isinstance(traits, ValueError):
                 rows.append({"source": origin, "verdict": "refused", "error": str(traits)})
                 continue
-            row = {"label": traits.short(), "traits": traits.knobs(), "source": origin}
-            try:
-                report = compile_only(traits, arch, source)
-            except (CompileError, ValueError) as e:
-                rows.append({**row, "verdict": "failed", "error": str(e)})
+            row = {"label": traits.short(), "traits": traits.knobs(), "source": origin,
+                   "kernels": sorted(traits.launches())}
+            report = report_of(traits)
+            if isinstance(report, Exception):
+                rows.append({**row, "verdict": "failed", "error": str(report)})
                 continue
             spills = not report.clean
             verdict = "clean" if not spills else "failed: a tuned entry spills" if origin == "tuned" else "spills"

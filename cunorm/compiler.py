@@ -126,9 +126,7 @@ class Kernel:
     # at most this many. Fewer than sm_count * blocks_per_sm / cluster where
     # a cluster's CTAs must share one GPC and some GPC's SMs are left over.
     resident_clusters: int
-
-    def __call__(self, grid: int, args: tuple):
-        self.function((grid,), (self.threads,), args, shared_mem=self.smem)
+    local_bytes: int = 0  # local memory per thread: > 0 when the compiler spilled or kept a stack frame
 
 
 _cache: dict = {}
@@ -179,7 +177,8 @@ def _load(traits, device_id: int, source: str | None = None) -> dict:
                 fn.max_dynamic_shared_size_bytes = smem
             blocks = _blocks_per_sm(fn, threads, smem)
             resident = sm_count * blocks if cluster == 1 else _resident_clusters(fn, threads, smem, cluster, sm_count)
-            out[name] = Kernel(fn, threads, smem, blocks, sm_count, cluster, resident)
+            out[name] = Kernel(fn, threads, smem, blocks, sm_count, cluster, resident,
+                               int(fn.attributes.get("local_size_bytes", 0)))
     return out
 
 

@@ -72,15 +72,19 @@ def from_knobs(knobs: dict, **call) -> Traits:
     return Traits(**fields, **{**KNOB_DEFAULTS, **knobs}, aligned_rows=elts <= aligned_vector)
 
 
-def choose(*, arch: int = CLUSTER_MIN_ARCH, **call) -> tuple:
+def choose(*, arch: int = CLUSTER_MIN_ARCH, tuned: bool = True, **call) -> tuple:
     """(Traits, source) for a call, source being "tuned" or "heuristic". A call
     without aligned rows (odd N, offset views, odd row strides) takes the tuned
     knobs of its aligned neighbour (N rounded down to whole 16-byte vectors):
-    its general-rows entry, else its aligned entry, when legal for the call."""
+    its general-rows entry, else its aligned entry, when legal for the call.
+    tuned=False: the heuristic only. A tuned entry that compiles with spills
+    for the call's dtype mix is replaced by the heuristic's pick where it is
+    compiled (`plan`, `check.case_kernels`): spills are known only then."""
     fields, max_vector, aligned_vector = call_fields(**call)
     n, input_dtype, backward = fields["hidden_size"], fields["input_dtype"], fields.get("backward", False)
     aligned = aligned_vector == max_vector
-    tables = () if arch != TUNED_ARCH or fields.get("has_residual") else (False,) if aligned else (True, False)
+    tables = (() if not tuned or arch != TUNED_ARCH or fields.get("has_residual") else (False,) if aligned
+              else (True, False))
     for general in tables:
         knobs = tuned_knobs(backward, tuned_neighbour(n, input_dtype), input_dtype, general)
         if knobs is None:

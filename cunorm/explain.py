@@ -109,7 +109,8 @@ def explain(op, *args, arch: int | str | None = None, **kwargs) -> Explanation:
         neighbour = dispatch.tuned_neighbour(t.hidden_size, t.input_dtype)
         general = not t.aligned_rows and dispatch.tuned_knobs(t.backward, neighbour, t.input_dtype, general=True)
         reasons.append(f"dispatch: the tuned entry for {'general rows beside ' if general else ''}N={neighbour} "
-                       f"(sm_{dispatch.TUNED_ARCH})")
+                       f"(sm_{dispatch.TUNED_ARCH}); if it compiles with spills for this dtype mix, the "
+                       f"heuristic's pick runs instead (`cunorm check --compile-only` lists where)")
     elif origin == "heuristic":
         reasons.append("dispatch: the heuristic (no tuned entry applies: other GPU, size, residual or layout)")
     path = path_of(t, p.base["max_vector"]) if on_gpu else "reference"

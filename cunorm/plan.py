@@ -68,8 +68,16 @@ def remember(key, call):
 def _plan(family, base: tuple, device_id: int, knobs: tuple | None, source: str | None):
     """Traits and loaded kernels for a call signature on a device, cached so
     that repeated calls skip dispatch and traits checks."""
-    traits = choose_traits(family, base, device_arch(device_id), knobs)
-    return traits, kernels_for(traits, device_id, None if source is None else check_source(traits, source))
+    arch = device_arch(device_id)
+    traits = choose_traits(family, base, arch, knobs)
+    kernels = kernels_for(traits, device_id, None if source is None else check_source(traits, source))
+    fallback = getattr(family, "untuned", None)
+    if knobs is None and source is None and fallback and any(k.local_bytes for k in kernels.values()):
+        # A tuned entry that spills for this dtype mix on this GPU: the heuristic's pick instead.
+        plain = fallback(arch=arch, **dict(base))
+        if plain != traits:
+            traits, kernels = plain, kernels_for(plain, device_id)
+    return traits, kernels
 
 
 @functools.lru_cache(maxsize=4096)

@@ -242,3 +242,26 @@ def test_backward_knobs(knobs, rng):
         want = cunorm.reference.layer_norm_backward(dy, x, mean, rstd, w)
         for g, r, tol in zip(got, want, (8e-3, 1e-5, 1e-5)):
             assert check.rel_l2(g, r) < tol, (knobs, n)
+
+
+@pytest.mark.parametrize("zero_centered", [False, True])
+def test_a_tuned_entry_that_spills_falls_back(zero_centered, rng):
+    """The backward entry tuned at N = 16384 spills for fp16 RMSNorm (tier B
+    shows it): the GPU path runs the heuristic's pick instead, spill-free,
+    and the result is right."""
+    import cupy
+
+    from cunorm import plan
+    from cunorm.norm import plans
+
+    case = check.Case("rms_norm_backward", 16384, 64, "float16", "float16", has_bias=False,
+                      zero_centered=zero_centered)
+    call = check.case_call(case)
+    tuned, origin = dispatch.choose(arch=90, **call)
+    assert origin == "tuned"
+    dev = cupy.cuda.Device().id
+    t, kernels = plan.resolve(plans.Family, None, call, dev)
+    if cupy.cuda.Device(dev).compute_capability == "90":
+        assert t != tuned and t == dispatch.choose(arch=90, tuned=False, **call)[0]
+    assert all(k.local_bytes == 0 for k in kernels.values())
+    _assert_ok(check.run_case(case, rng))

@@ -30,6 +30,11 @@ class Family:
     def from_knobs(knobs: dict, **call) -> Traits:
         return dispatch.from_knobs(knobs, **call)
 
+    @staticmethod
+    def untuned(arch: int, **call) -> Traits:
+        """What dispatch picks without the tuned tables (for a tuned entry that spills on a dtype mix)."""
+        return dispatch.choose(arch=arch, tuned=False, **call)[0]
+
 
 @dataclass
 class Prepared:

@@ -1,4 +1,4 @@
-"""Merges the JSON lines `python -m cunorm.tune --json` wrote into cunorm/tuned.py.
+"""Merges the JSON lines `python -m cunorm.tune --output FILE` wrote into cunorm/tuned.py.
 
     python scripts/tuned_literal.py RESULTS.jsonl [cunorm/tuned.py] [--note "4-byte inputs: H200, <date>"]
 

@@ -70,6 +70,12 @@ def take_all(required: dict, optional: dict) -> tuple:
     return args, first.on_gpu
 
 
+def described(args: dict) -> dict:
+    """numpy arguments described as GPU arrays are (`kinds.NumpyKind`), so that
+    a numpy call goes through the GPU path's layout and traits checks."""
+    return {k: None if a is None else Arg(a.name, kinds.NumpyKind.describe(a.array), True) for k, a in args.items()}
+
+
 def check_dtype(arg: Arg, allowed=dtypes.NAMES) -> str:
     try:
         name = dtypes.name_of(arg.array.dtype)

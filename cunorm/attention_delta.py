@@ -200,11 +200,9 @@ def attention_delta(out, grad_out, *, traits=None):
     arrays.check_shape(G, O.array.shape, "out's shape")
     if not on_gpu:
         if traits is not None:  # checked for the call as on a GPU, though the reference computes
-            described = {k: arrays.Arg(k, kinds.NumpyKind.describe(a.array), True) for k, a in args.items()}
-            laid, _, _ = layout_of(described, copy=False)
+            laid, _, _ = layout_of(arrays.described(args), copy=False)
             if laid is not None:
-                call = {k: laid[k] for k in ("head_dim", "out_dtype", "grad_dtype")}
-                plan.resolve_traits(_Family, traits, call, 90)
+                plan.resolve_traits(_Family, traits, dispatch_call(laid, traits), plan.PREVIEW_ARCH)
         return reference.attention_delta(O.array, G.array).astype(np.float32)
     with plan.on_device(O.array.device_id):
         call = _plan(args, traits)
@@ -261,6 +259,14 @@ def layout_of(args: dict, copy: bool = True) -> tuple:
         reasons.append(f"pointers, leading strides and the head dim allow loads of at most "
                        f"{call['max_elts_per_ldg']} elements")
     return dict(call, tensors=tensors, sizes=sizes, strides=strides), copies, reasons
+
+
+def dispatch_call(laid: dict, traits) -> dict:
+    """The dispatch fields of a laid-out call (`layout_of`): the widest vector
+    its layout allows caps dispatch's choice; the caller's knobs are checked
+    against the layout instead."""
+    keys = ("head_dim", "out_dtype", "grad_dtype") + (("max_elts_per_ldg",) if traits is None else ())
+    return {k: laid[k] for k in keys}
 
 
 def _plan(args: dict, traits) -> CallPlan:

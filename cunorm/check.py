@@ -265,7 +265,7 @@ def pairwise_cases(sizes=None, rows=(37,), dtypes_=dtypes.NAMES, ops=NORM_OPS) -
     for op in ops:
         if op not in NORM_OPS:
             continue
-        rms, backward = op.startswith("rms"), op.endswith("_backward")
+        backward = op.endswith("_backward")
         for row, m in itertools.product(_pairwise_rows(op, tuple(sizes) if sizes else None, tuple(dtypes_)), rows):
             w, b, r = row["weight"], row.get("bias"), row["residual"]
             cases.append(Case(op, row["n"], m, row["x"], w or "float32", has_weight=w is not None,

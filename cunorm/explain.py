@@ -4,7 +4,7 @@ from __future__ import annotations
 import inspect
 from dataclasses import dataclass
 
-from . import dispatch, dtypes, kinds, layout, norm, plan
+from . import dispatch, dtypes, layout, norm, plan
 from .compiler import arch_number, device_arch
 from .norm import calls, plans
 from .source import check_source
@@ -94,7 +94,7 @@ def explain(op, *args, arch: int | str | None = None, **kwargs) -> Explanation:
         arch = device_arch(dev) if arch is None else arch_number(arch)
     else:
         p = norm._check_as_on_gpu(prepare, call_args, base, None)
-        arch = norm.PREVIEW_ARCH if arch is None else arch_number(arch)
+        arch = plan.PREVIEW_ARCH if arch is None else arch_number(arch)
         reasons.append(f"numpy inputs run the float64 reference on the CPU; on an sm_{arch} GPU this call would "
                        f"run what follows")
     if traits is None:
@@ -120,19 +120,15 @@ def explain(op, *args, arch: int | str | None = None, **kwargs) -> Explanation:
 def _explain_delta(out, grad_out, *, traits=None, arch=None) -> Explanation:
     """explain for attention_delta: its vector width and why, what is copied."""
     from . import arrays
-    from .attention_delta import _Family, layout_of
+    from .attention_delta import _Family, dispatch_call, layout_of
 
     args, on_gpu = arrays.take_all({"out": out, "grad_out": grad_out}, {})
-    if not on_gpu:
-        args = {k: arrays.Arg(k, kinds.NumpyKind.describe(a.array), True) for k, a in args.items()}
-    call, copies, reasons = layout_of(args, copy=False)
-    if call is not None:
-        call = {k: call[k] for k in ("head_dim", "out_dtype", "grad_dtype", "max_elts_per_ldg")
-                if k != "max_elts_per_ldg" or traits is None}
+    laid, copies, reasons = layout_of(args if on_gpu else arrays.described(args), copy=False)
+    call = None if laid is None else dispatch_call(laid, traits)
     if on_gpu:
         arch = device_arch(args["out"].array.device_id) if arch is None else arch_number(arch)
     else:
-        arch = norm.PREVIEW_ARCH if arch is None else arch_number(arch)
+        arch = plan.PREVIEW_ARCH if arch is None else arch_number(arch)
         reasons.insert(0, f"numpy inputs run the float64 reference on the CPU; on an sm_{arch} GPU this call "
                           f"would run what follows")
     if call is None:  # no rows or an empty head dim: nothing to launch

@@ -20,6 +20,7 @@ from .compiler import device_arch, kernels_for
 from .kinds import kind_of
 from .source import check_source
 
+PREVIEW_ARCH = 90  # the GPU that numpy calls check `traits=` for, and that explain previews for them
 CALLS: dict = {}  # cache key -> launch.CallPlan
 MAX_CALLS = 4096
 _keyparts: dict = {}  # array type -> its kind's keypart, or None: not cached (numpy, other producers)

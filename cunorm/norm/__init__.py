@@ -9,7 +9,7 @@ value: checked when first seen, then looked up).
 """
 from __future__ import annotations
 
-from .. import arrays, kinds, plan
+from .. import arrays, plan
 from ..launch import f32_bits
 from ..source import check_source
 from . import calls, cpu, plans
@@ -42,18 +42,13 @@ def _eps_bits(eps) -> tuple:
 # Each public op first tries its cached plan (`plan.call_key`: the flags,
 # then each array's layout); a miss goes through `_forward` / `_backward`.
 
-PREVIEW_ARCH = 90  # numpy calls check `traits=` as for this GPU
-
-
 def _check_as_on_gpu(prepare, args: dict, base: dict, traits, source=None):
     """The checks a GPU call makes that validation alone does not: the row
     layout, `out=` against the inputs, and `traits=` for the call (on an
     sm_90 GPU). numpy calls run them too, so both paths refuse the same things."""
-    described = {k: None if a is None else arrays.Arg(a.name, kinds.NumpyKind.describe(a.array), True)
-                 for k, a in args.items()}
-    p = prepare(described, base)
+    p = prepare(arrays.described(args), base)
     if traits is not None or source is not None:
-        t = plan.resolve_traits(plans.Family, traits, p.base, PREVIEW_ARCH)
+        t = plan.resolve_traits(plans.Family, traits, p.base, plan.PREVIEW_ARCH)
         if source is not None:
             check_source(t, source)
     return p

@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from . import dispatch, dtypes, pairwise, reference
+from .attention_delta import MAX_HEAD_DIM
 
 # Relative L2 error allowed for outputs written in each dtype.
 TOLERANCE = {"float32": 1e-5, "float16": 1e-3, "bfloat16": 8e-3}
@@ -292,8 +293,8 @@ def default_cases(sizes=None, rows=DEFAULT_ROWS, dtypes_=dtypes.NAMES, ops=OPS, 
     if "tuned" in sweeps:
         for op in ops:
             if op == "attention_delta":
-                for k, dt, gdt, m in itertools.product(tuple(sizes) if sizes else DELTA_HEAD_DIMS, dtypes_,
-                                                       dtypes_, rows):
+                head_dims = tuple(k for k in sizes if k <= MAX_HEAD_DIM) if sizes else DELTA_HEAD_DIMS
+                for k, dt, gdt, m in itertools.product(head_dims, dtypes_, dtypes_, rows):
                     cases.append(Case(op, k, m, dt, gdt))
                 continue
             for n, dt, m in itertools.product(ln_sizes, dtypes_, rows):
@@ -595,17 +596,18 @@ def _run_backward(case: Case, rng, source=None) -> list:
     kwargs = dict(dresidual=dres, zero_centered_weight=zc, out=dy if case.in_place else _given_out(case, case.dtype),
                   source=source)
     if case.rms:
-        _, rstd = reference.rms_norm(x, w, eps, zero_centered_weight=zc)
-        rstd = cupy.asarray(rstd, dtype=np.float32)
-        refs = reference.rms_norm_backward(dy, x, rstd, w, dresidual=dres, zero_centered_weight=zc)
+        _, rstd64 = reference.rms_norm(x, w, eps, zero_centered_weight=zc)
+        rstd = cupy.asarray(rstd64, dtype=np.float32)
+        # The reference takes the exact statistics, the op their fp32 rounding (what a forward returns).
+        refs = reference.rms_norm_backward(dy, x, rstd64, w, dresidual=dres, zero_centered_weight=zc)
         dx_scale = _dx_scale(dy, w, zc, rstd)  # before the call: dx may be written over dy
         with poisoned_allocations():
             got = rms_norm_backward(dy, x, rstd, w, **kwargs)
         names = ("dx", "dweight")
     else:
-        _, mean, rstd = reference.layer_norm(x, w, None, eps, zero_centered_weight=zc)
-        mean, rstd = cupy.asarray(mean, dtype=np.float32), cupy.asarray(rstd, dtype=np.float32)
-        refs = reference.layer_norm_backward(dy, x, mean, rstd, w, dresidual=dres, zero_centered_weight=zc)
+        _, mean64, rstd64 = reference.layer_norm(x, w, None, eps, zero_centered_weight=zc)
+        mean, rstd = cupy.asarray(mean64, dtype=np.float32), cupy.asarray(rstd64, dtype=np.float32)
+        refs = reference.layer_norm_backward(dy, x, mean64, rstd64, w, dresidual=dres, zero_centered_weight=zc)
         dx_scale = _dx_scale(dy, w, zc, rstd)  # before the call: dx may be written over dy
         with poisoned_allocations():
             got = layer_norm_backward(dy, x, mean, rstd, w, has_bias=case.has_bias, bias_dtype=case.bias_dtype,

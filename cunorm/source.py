@@ -12,8 +12,13 @@ _LOCAL_INCLUDE = re.compile(r'^#include "([^"]+)"[ \t]*$', re.MULTILINE)
 
 @functools.lru_cache(maxsize=None)
 def kernel_dir() -> Path:
-    """The folder holding the .cu sources: the installed package data
-    `cunorm.kernels`, or the repository's kernels/ when run from a checkout."""
+    """The folder holding the .cu sources: the kernels/ beside this package
+    when it is imported from a checkout (so that two trees side by side each
+    run their own kernels, whatever is installed), else the installed package
+    data `cunorm.kernels`."""
+    checkout = Path(__file__).resolve().parent.parent / "kernels"
+    if (checkout / "cunorm_common.cuh").is_file():
+        return checkout
     try:
         from importlib.resources import files
 
@@ -22,10 +27,7 @@ def kernel_dir() -> Path:
             return path
     except ModuleNotFoundError:
         pass
-    path = Path(__file__).resolve().parent.parent / "kernels"
-    if not (path / "cunorm_common.cuh").is_file():
-        raise FileNotFoundError(f"cunorm kernel sources not found (looked in cunorm.kernels and {path})")
-    return path
+    raise FileNotFoundError(f"cunorm kernel sources not found (looked in {checkout} and cunorm.kernels)")
 
 
 @functools.lru_cache(maxsize=None)

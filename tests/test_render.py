@@ -51,6 +51,19 @@ def test_kernel_dir_holds_the_sources():
                                                           "norm_fwd.cu", "norm_bwd.cu"}
 
 
+def test_a_checkout_renders_its_own_kernels():
+    """Imported from a checkout, cunorm renders the kernels/ beside it, not an
+    installed copy's: an A/B between two trees must run each tree's kernels."""
+    from pathlib import Path
+
+    import cunorm
+
+    checkout = Path(cunorm.__file__).resolve().parent.parent / "kernels"
+    if not (checkout / "norm_fwd.cu").is_file():
+        pytest.skip("cunorm is imported from an installed copy, not a checkout")
+    assert kernel_dir() == checkout
+
+
 @pytest.mark.nvrtc
 def test_a_wrong_python_mirror_fails_to_compile(monkeypatch):
     """The kernels static_assert that Python's derived traits equal their own:

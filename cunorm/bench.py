@@ -1,10 +1,14 @@
 """Bandwidth benchmark: each op as a fraction of a device-to-device copy
-measured in the same run (bytes read + written, minimal counts)."""
+measured in the same run (bytes read + written, minimal counts), and kernel
+variants (an edited kernel file, forced traits) against the shipped kernels in
+interleaved rounds. The command is `cunorm bench` (cunorm/cli.py)."""
 from __future__ import annotations
 
+import contextlib
+import functools
 import itertools
-import json
 import sys
+from typing import Callable, NamedTuple
 
 import numpy as np
 
@@ -14,6 +18,45 @@ from .source import defined_kernels
 BENCH_SIZES = (768, 1024, 4096, 8192, 16384, 65536)
 DELTA_HEAD_DIMS = (64, 128, 256)
 ELEMENTS = 2**26
+NORM_OPS = ("layer_norm", "rms_norm", "layer_norm+residual", "rms_norm+residual")
+PLAIN_OPS = ("layer_norm", "rms_norm")
+DIRECTIONS = ("fwd", "bwd")
+
+
+class Case(NamedTuple):
+    """One benchmarked call on arrays made for it. `call(**kwargs)` runs it,
+    with extra keyword arguments for the op (traits=, source=) where it is a
+    norm op; `native` is torch's own op on the same tensors, or None."""
+    op: str
+    n: int
+    nbytes: int
+    call: Callable
+    native: Callable | None = None
+
+
+@contextlib.contextmanager
+def progress(length: int, label: str, out=sys.stdout):
+    """A progress bar on stderr (never stdout, which --json keeps for JSON)
+    over `length` steps. Yields (bar, echo): `bar.update(k)` advances it and
+    `echo(line)` prints a line of the table to `out`. On a terminal, echo
+    clears the bar's line first so that the table line does not land inside
+    the bar; the bar redraws below it on its next step."""
+    import click
+
+    with click.progressbar(length=length, label=label, file=sys.stderr) as bar:
+        def echo(line: str):
+            if sys.stderr.isatty():
+                sys.stderr.write("\r\033[K")
+                sys.stderr.flush()
+            print(line, file=out, flush=True)
+
+        yield bar, echo
+
+
+def gpu_name() -> str:
+    import cupy
+
+    return cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"].decode()
 
 
 def median_ms(fn, repeat: int = 50, warmup: int = 5, batch: int = 10) -> float:
@@ -53,27 +96,25 @@ def copy_bandwidth(nbytes: int = 2**30) -> float:
     return 2 * nbytes / (ms * 1e-3)
 
 
-def norm_cases(sizes=BENCH_SIZES, dtype: str = "bfloat16", weight_dtype: str | None = None,
-               variants=("layer_norm", "rms_norm", "layer_norm+residual", "rms_norm+residual"), layout="",
-               as_array=None, source: str | None = None):
-    """Yields (name, n, bytes, fn) for forward and backward at M*N = ELEMENTS.
-    A "+residual" variant adds a residual (dresidual in the backward) of x's
-    dtype. layout "stride+D" reads and writes rows D elements apart beyond N
-    (slices of wider buffers). Bytes count each row tensor once plus the saved
-    statistics (4 bytes a row each); weights and partial sums are not counted.
-    `as_array` converts each CuPy array made (e.g. torch.from_dlpack: the calls
-    then take torch tensors). `source`: an edited kernel file; the cases of the
-    direction it serves run it (the others are left out)."""
+def norm_cases(sizes=BENCH_SIZES, dtype: str = "bfloat16", weight_dtype: str | None = None, ops=NORM_OPS,
+               layout="", as_array=None, directions=DIRECTIONS, native: bool = False):
+    """Yields a Case for each op's forward and backward (those in
+    `directions`) at M*N = ELEMENTS, the arrays of one size made when its
+    first case is drawn. A "+residual" op adds a residual (dresidual in the
+    backward) of x's dtype. layout "stride+D" reads and writes rows D elements
+    apart beyond N (slices of wider buffers). Bytes count each row tensor once
+    plus the saved statistics (4 bytes a row each); weights and partial sums
+    are not counted. `as_array` converts each CuPy array made (e.g.
+    torch.from_dlpack: the calls then take torch tensors). `native`: give each
+    case torch's own op where torch is importable and has it (contiguous rows,
+    no residual)."""
     import cupy
-
-    from .norm import layer_norm, layer_norm_backward, rms_norm, rms_norm_backward
 
     dt = dtypes.numpy_dtype(dtype)
     wdt = dtypes.numpy_dtype(weight_dtype or dtype)
     pad = int(layout.removeprefix("stride+")) if layout else 0
-
     conv = as_array or (lambda a: a)
-    served = set() if source is None else defined_kernels(source)
+    to_torch = _torch_from_dlpack() if native and not pad else None
 
     def rows_of(m, n):
         buf = cupy.random.standard_normal((m, n + pad), dtype=np.float32).astype(dt)
@@ -86,32 +127,87 @@ def norm_cases(sizes=BENCH_SIZES, dtype: str = "bfloat16", weight_dtype: str | N
         w = conv(cupy.random.standard_normal(n, dtype=np.float32).astype(wdt))
         b = conv(cupy.random.standard_normal(n, dtype=np.float32).astype(wdt))
         e = dt.itemsize
-        for variant in variants:
-            rms = variant.startswith("rms")
-            res = rows_of(m, n) if variant.endswith("+residual") else None
+        for op in ops:
+            rms = op.startswith("rms")
+            res = rows_of(m, n) if op.endswith("+residual") else None
+            fwd, bwd, saved = _norm_calls(rms, x, w, b, dy, res, outs)
+            natives = {}
+            if to_torch is not None and res is None:
+                tensors = {k: to_torch(v) for k, v in dict(x=x, dy=dy, w=w, b=b, **saved).items()}
+                base = "rms_norm" if rms else "layer_norm"
+                natives = {"fwd": torch_native(base, tensors, n), "bwd": torch_native(f"{base}_backward", tensors, n)}
             stats = (4 if rms else 8) * m
-            tensors = 2 + (res is not None) * 2
-            name = variant + (f" {layout}" if layout else "")
-            fsrc = source if source is not None and "norm_fwd" in served else None
-            bsrc = source if source is not None and "norm_bwd" in served else None
-            if rms:
-                fwd = lambda: rms_norm(x, w, residual=res, return_stats=True, out=outs[0], source=fsrc)  # noqa: E731
-                *_, rstd = fwd()
-                bwd = lambda: rms_norm_backward(dy, x, rstd, w, dresidual=res, out=outs[1], source=bsrc)  # noqa: E731
-            else:
-                fwd = lambda: layer_norm(x, w, b, residual=res, return_stats=True, out=outs[0],  # noqa: E731
-                                         source=fsrc)
-                *_, mean, rstd = fwd()
-                bwd = lambda: layer_norm_backward(dy, x, mean, rstd, w, dresidual=res, out=outs[1],  # noqa: E731
-                                                  source=bsrc)
-            if source is None or fsrc is not None:
-                yield f"{name} fwd", n, tensors * m * n * e + stats, fwd
-            if source is None or bsrc is not None:
-                yield f"{name} bwd", n, (3 + (res is not None)) * m * n * e + stats, bwd
+            name = op + (f" {layout}" if layout else "")
+            nbytes = {"fwd": (2 + (res is not None) * 2) * m * n * e + stats,
+                      "bwd": (3 + (res is not None)) * m * n * e + stats}
+            for direction, call in (("fwd", fwd), ("bwd", bwd)):
+                if direction in directions:
+                    yield Case(f"{name} {direction}", n, nbytes[direction], call, natives.get(direction))
+
+
+def _norm_calls(rms: bool, x, w, b, dy, res, outs):
+    """(forward, backward, saved statistics) of LayerNorm or RMSNorm on these
+    arrays; each call takes the op's extra keyword arguments. The backward's
+    statistics come from one call of the shipped forward."""
+    from .norm import layer_norm, layer_norm_backward, rms_norm, rms_norm_backward
+
+    if rms:
+        def fwd(**kwargs):
+            return rms_norm(x, w, residual=res, return_stats=True, out=outs[0], **kwargs)
+
+        *_, rstd = fwd()
+
+        def bwd(**kwargs):
+            return rms_norm_backward(dy, x, rstd, w, dresidual=res, out=outs[1], **kwargs)
+
+        return fwd, bwd, dict(rms=rstd)
+
+    def fwd(**kwargs):
+        return layer_norm(x, w, b, residual=res, return_stats=True, out=outs[0], **kwargs)
+
+    *_, mean, rstd = fwd()
+
+    def bwd(**kwargs):
+        return layer_norm_backward(dy, x, mean, rstd, w, dresidual=res, out=outs[1], **kwargs)
+
+    return fwd, bwd, dict(mean=mean, rstd=rstd)
+
+
+def _torch_from_dlpack():
+    """torch.from_dlpack, or None without torch."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    return torch.from_dlpack
+
+
+def torch_native(op: str, t: dict, n: int):
+    """torch's own `op` on the tensors `t` (x, dy, w, b, mean, rstd or rms;
+    o, g for attention_delta: torch's eager (o.float() * g.float()).sum(-1))
+    as a call of no arguments; None where this torch lacks the op or refuses
+    these tensors."""
+    import torch
+    import torch.nn.functional as F
+
+    calls = {
+        "layer_norm": lambda: F.layer_norm(t["x"], (n,), t["w"], t["b"]),
+        "rms_norm": lambda: F.rms_norm(t["x"], (n,), t["w"]),
+        "layer_norm_backward": lambda: torch.ops.aten.native_layer_norm_backward(
+            t["dy"], t["x"], (n,), t["mean"], t["rstd"], t["w"], t["b"], [True] * 3),
+        "rms_norm_backward": lambda: torch.ops.aten._fused_rms_norm_backward(
+            t["dy"], t["x"], (n,), t["rms"], t["w"], [True, True]),
+        "attention_delta": lambda: (t["o"].float() * t["g"].float()).sum(-1),
+    }
+    try:
+        calls[op]()
+    except (AttributeError, RuntimeError):  # an op this torch lacks, or a dtype mix it refuses
+        return None
+    return calls[op]
 
 
 def delta_cases(head_dims=DELTA_HEAD_DIMS, dtype: str = "bfloat16"):
-    """Yields (name, K, bytes, fn) for attention_delta with ELEMENTS elements per input."""
+    """Yields a Case (n: the head dim K) for attention_delta with ELEMENTS elements per input."""
     import cupy
 
     from .attention_delta import attention_delta
@@ -121,7 +217,7 @@ def delta_cases(head_dims=DELTA_HEAD_DIMS, dtype: str = "bfloat16"):
         m = ELEMENTS // k
         o = cupy.random.standard_normal((m, k), dtype=np.float32).astype(dt)
         g = cupy.random.standard_normal((m, k), dtype=np.float32).astype(dt)
-        yield "attention_delta", k, 2 * m * k * dt.itemsize + 4 * m, lambda: attention_delta(o, g)
+        yield Case("attention_delta", k, 2 * m * k * dt.itemsize + 4 * m, lambda: attention_delta(o, g))
 
 
 # Layout and odd-size comparisons: strided rows beside contiguous ones at 4096,
@@ -130,35 +226,25 @@ STRIDED = ((4096,), "stride+64")
 ODD_SIZES = (4097, 65537)
 
 
-def compare(sizes, source: str, dtype="bfloat16", rounds: int = 5, repeat: int = 10, out=sys.stdout) -> dict:
-    """An interleaved A/B of the shipped kernels against an edited kernel file
-    (`source`), for the direction it serves: `rounds` rounds, each timing the
-    shipped call then the edited one; fraction of a same-run copy as median
-    [min, max] over the rounds, and whether the two ranges overlap (a
-    difference inside the spread is noise)."""
-    import cupy
+def variants_of(source: str | None = None, traits: dict | None = None) -> dict:
+    """Kernel variants for `compare`, {label: keyword arguments for the op}:
+    "tuned" (the shipped kernels and dispatch) first, then "edited" (`source`,
+    an edited kernel file) and one per entry of `traits` ({label: knobs}).
+    With a source, the other variants pass the shipped file's text, so that
+    every call takes the same path."""
+    base = {} if source is None else {"source": _shipped_of(source)}
+    variants = {"tuned": base}
+    if source is not None:
+        variants["edited"] = {"source": source}
+    for label, knobs in (traits or {}).items():
+        variants[label] = {**base, "traits": dict(knobs)}
+    return variants
 
-    copy = copy_bandwidth()
-    props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
-    results = {"gpu": props["name"].decode(), "copy_gbps": copy / 1e9, "rounds": rounds, "rows": []}
-    print(f"# {results['gpu']}: copy {copy / 1e9:.0f} GB/s; shipped vs edited source, {rounds} interleaved rounds",
-          file=out)
-    print(f"{'op':<30} {'N':>6} {'shipped':>22} {'edited':>22}  verdict", file=out)
-    pairs = zip(norm_cases(sizes, dtype, variants=("layer_norm", "rms_norm"), source=source),
-                norm_cases(sizes, dtype, variants=("layer_norm", "rms_norm"), source=_shipped_of(source)))
-    for (name, n, nbytes, edited), (_, _, _, shipped) in pairs:
-        fracs = {"shipped": [], "edited": []}
-        for _ in range(rounds):
-            for label, fn in (("shipped", shipped), ("edited", edited)):
-                fracs[label].append(nbytes / (median_ms(fn, repeat) * 1e-3) / copy)
-        stats = {k: (float(np.median(v)), min(v), max(v)) for k, v in fracs.items()}
-        (ms, ls, hs), (me, le, he) = stats["shipped"], stats["edited"]
-        verdict = "within noise" if le <= hs and ls <= he else ("edited faster" if me > ms else "edited slower")
-        results["rows"].append({"op": name, "n": n, **{k: dict(zip(("median", "min", "max"), v))
-                                                        for k, v in stats.items()}, "verdict": verdict})
-        print(f"{name:<30} {n:>6} {ms:.3f} [{ls:.3f}, {hs:.3f}] {me:.3f} [{le:.3f}, {he:.3f}]  {verdict}", file=out,
-              flush=True)
-    return results
+
+def served_directions(source: str) -> tuple:
+    """The directions an edited kernel file serves: "fwd" for norm_fwd.cu's kernel, "bwd" for norm_bwd.cu's."""
+    served = defined_kernels(source)
+    return tuple(d for d, kernel in zip(DIRECTIONS, ("norm_fwd", "norm_bwd")) if kernel in served)
 
 
 def _shipped_of(source: str) -> str:
@@ -168,31 +254,119 @@ def _shipped_of(source: str) -> str:
     return _read("norm_fwd.cu" if "norm_fwd" in defined_kernels(source) else "norm_bwd.cu")
 
 
+def compare(sizes, variants: dict, dtype: str = "bfloat16", weight_dtype: str | None = None, rounds: int = 5,
+            repeat: int = 10, directions=DIRECTIONS, out=sys.stdout) -> dict:
+    """Kernel variants timed side by side on LayerNorm and RMSNorm at `sizes`.
+    `variants`: {label: keyword arguments for the op} (see `variants_of`), the
+    first the baseline; torch's own op joins them where torch is importable.
+    Each case runs `rounds` rounds, each timing every variant in turn, so that
+    drift hits them alike; per variant, the fraction of a same-run copy as
+    median [min, max] over the rounds and microseconds per call (median). A
+    variant the op refuses at a size (illegal traits: ValueError; or one that
+    fails to compile or launch) is skipped there. Verdict of each against the
+    baseline: "within noise" where the two ranges overlap, else "faster" or
+    "slower"; a row's "verdict" sums up the variants given (torch aside)."""
+    copy = copy_bandwidth()
+    results = {"gpu": gpu_name(), "copy_gbps": copy / 1e9, "dtype": dtype, "weight_dtype": weight_dtype or dtype,
+               "rounds": rounds, "variants": list(variants), "rows": []}
+    print(f"# {results['gpu']}: copy {copy / 1e9:.0f} GB/s; {', '.join(variants)} (and torch where importable), "
+          f"{rounds} interleaved rounds; fraction of copy: median [min, max]", file=out)
+    print(f"{'op':<16} {'N':>6}  {'variant':<26} {'of copy [min, max]':<22} {'us/call':>9}  verdict", file=out)
+    cases = norm_cases(sizes, dtype, weight_dtype, PLAIN_OPS, directions=directions, native=True)
+    with progress(len(sizes) * len(PLAIN_OPS) * len(directions) * rounds, "timing variants", out) as (bar, echo):
+        for case in cases:
+            fns, skipped = {}, {}
+            for label, kwargs in variants.items():
+                fn = functools.partial(case.call, **kwargs)
+                try:
+                    fn()  # compiles it; illegal traits raise here
+                except (ValueError, RuntimeError) as e:  # RuntimeError: a compile or launch failure
+                    skipped[label] = f"{type(e).__name__}: {str(e).splitlines()[0]}"
+                    continue
+                fns[label] = fn
+            if case.native is not None:
+                fns["torch"] = case.native
+            ms = {label: [] for label in fns}
+            for _ in range(rounds):
+                for label, fn in fns.items():
+                    ms[label].append(median_ms(fn, repeat))
+                bar.update(1)
+            row = _compared(case, ms, skipped, copy, list(variants))
+            results["rows"].append(row)
+            for line in _compared_lines(row):
+                echo(line)
+    return results
+
+
+def _compared(case: Case, ms: dict, skipped: dict, copy: float, variants: list) -> dict:
+    """A row of `compare`: per variant (in `variants`' order, torch last) its
+    fractions and time, or why it was skipped; its verdict against the first;
+    and the row's verdict, which names the variants outside the noise."""
+    row = {"op": case.op, "n": case.n, "bytes": case.nbytes, "variants": {}}
+    for label in [*variants, "torch"]:
+        if label in skipped:
+            row["variants"][label] = {"skipped": skipped[label]}
+        elif label in ms:
+            fractions = [case.nbytes / (t * 1e-3) / copy for t in ms[label]]
+            row["variants"][label] = {"fraction_of_copy": float(np.median(fractions)), "fraction_min": min(fractions),
+                                      "fraction_max": max(fractions), "us": float(np.median(ms[label])) * 1e3}
+    baseline = row["variants"][variants[0]]
+    if "skipped" in baseline:
+        row["verdict"] = f"{variants[0]} skipped"
+        return row
+    notes = []
+    for label, v in list(row["variants"].items())[1:]:
+        if "skipped" in v:
+            notes.append(f"{label} skipped")
+            continue
+        overlap = v["fraction_min"] <= baseline["fraction_max"] and baseline["fraction_min"] <= v["fraction_max"]
+        v["verdict"] = ("within noise" if overlap else
+                        "faster" if v["fraction_of_copy"] > baseline["fraction_of_copy"] else "slower")
+        if label != "torch" and v["verdict"] != "within noise":
+            notes.append(f"{label} {v['verdict']}")
+    row["verdict"] = "; ".join(notes) or "within noise"
+    return row
+
+
+def _compared_lines(row: dict):
+    """The table lines of one row of `compare`: a line per variant."""
+    for i, (label, v) in enumerate(row["variants"].items()):
+        head = f"{row['op']:<16} {row['n']:>6}" if i == 0 else " " * 23
+        if "skipped" in v:
+            yield f"{head}  {label:<26} skipped: {v['skipped']}"
+            continue
+        spread = f"{v['fraction_of_copy']:.3f} [{v['fraction_min']:.3f}, {v['fraction_max']:.3f}]"
+        yield f"{head}  {label:<26} {spread:<22} {v['us']:>9.1f}  {v.get('verdict', '')}"
+
+
 def run(sizes=BENCH_SIZES, dtype="bfloat16", weight_dtype=None, repeat=20, out=sys.stdout,
         head_dims=DELTA_HEAD_DIMS, extras=True) -> dict:
-    import cupy
-
+    """The bandwidth table: every op at `sizes` (and, with `extras`, strided
+    rows and odd sizes), attention_delta at `head_dims`."""
     copy = copy_bandwidth()
-    dev = cupy.cuda.Device()
-    props = cupy.cuda.runtime.getDeviceProperties(dev.id)
-    results = {"gpu": props["name"].decode(), "copy_gbps": copy / 1e9, "dtype": dtype,
+    results = {"gpu": gpu_name(), "copy_gbps": copy / 1e9, "dtype": dtype,
                "weight_dtype": weight_dtype or dtype, "elements": ELEMENTS, "rows": []}
     print(f"# {results['gpu']}: device-to-device copy {copy / 1e9:.0f} GB/s (read + write)", file=out)
     print(f"{'op':<36} {'N or K':>6} {'ms':>8} {'GB/s':>7} {'of copy':>7}", file=out)
     cases = [norm_cases(sizes, dtype, weight_dtype)]
+    count = len(sizes) * len(NORM_OPS) * len(DIRECTIONS) + len(head_dims)
     if extras:
-        cases += [norm_cases(STRIDED[0], dtype, weight_dtype, ("layer_norm", "rms_norm"), STRIDED[1]),
-                  norm_cases(ODD_SIZES, dtype, weight_dtype, ("layer_norm", "rms_norm"))]
-    for name, n, nbytes, fn in itertools.chain(*cases, delta_cases(head_dims, dtype)):
-        ms = median_ms(fn, repeat)
-        bw = nbytes / (ms * 1e-3)
-        row = {"op": name, "n": n, "ms": ms, "gbps": bw / 1e9, "fraction_of_copy": bw / copy}
-        results["rows"].append(row)
-        print(f"{name:<36} {n:>6} {ms:>8.4f} {bw / 1e9:>7.0f} {bw / copy:>7.3f}", file=out, flush=True)
+        cases += [norm_cases(STRIDED[0], dtype, weight_dtype, PLAIN_OPS, STRIDED[1]),
+                  norm_cases(ODD_SIZES, dtype, weight_dtype, PLAIN_OPS)]
+        count += (len(STRIDED[0]) + len(ODD_SIZES)) * len(PLAIN_OPS) * len(DIRECTIONS)
+    with progress(count, "benchmarking", out) as (bar, echo):
+        for case in itertools.chain(*cases, delta_cases(head_dims, dtype)):
+            ms = median_ms(case.call, repeat)
+            bw = case.nbytes / (ms * 1e-3)
+            results["rows"].append({"op": case.op, "n": case.n, "ms": ms, "gbps": bw / 1e9,
+                                    "fraction_of_copy": bw / copy})
+            echo(f"{case.op:<36} {case.n:>6} {ms:>8.4f} {bw / 1e9:>7.0f} {bw / copy:>7.3f}")
+            bar.update(1)
     return results
 
 
 HOST_SHAPES = ((1, 4096), (8, 4096), (128, 4096), (4096, 4096))
+HOST_OPS = ("layer_norm", "rms_norm", "layer_norm_backward", "rms_norm_backward", "attention_delta")
 DELTA_HEAD_DIM = 128  # attention_delta's rows for a host shape (M, N): (M * N / 128, 128)
 
 
@@ -230,19 +404,14 @@ def per_call_us(fns: dict, repeat: int = 7, seconds: float = 0.05) -> dict:
 
 
 def host_cases(shape: tuple, dtype: str = "bfloat16"):
-    """Yields (op, {variant: fn}) for every op at one shape: cunorm on CuPy
-    arrays, cunorm on torch tensors, and torch's own op when torch is
-    installed (attention_delta: torch's eager (out.float() * grad.float()).sum(-1))."""
+    """Yields (op, {variant: fn}) for every op of HOST_OPS at one shape:
+    cunorm on CuPy arrays, cunorm on torch tensors, and torch's own op when
+    torch is installed and has it (see `torch_native`)."""
     import cupy
 
     from .attention_delta import attention_delta
     from .norm import layer_norm, layer_norm_backward, rms_norm, rms_norm_backward
 
-    try:
-        import torch
-        import torch.nn.functional as F
-    except ImportError:
-        torch = None
     n = shape[-1]
     dt = dtypes.numpy_dtype(dtype)
     gen = cupy.random.default_rng(0)
@@ -251,53 +420,42 @@ def host_cases(shape: tuple, dtype: str = "bfloat16"):
     _, cmean, crstd = layer_norm(cx, cw, cb, return_stats=True)
     _, crms = rms_norm(cx, cw, return_stats=True)
     co, cg = cx.reshape(-1, DELTA_HEAD_DIM), cdy.reshape(-1, DELTA_HEAD_DIM)
-    t = {}
-    if torch is not None:
-        t = {k: torch.from_dlpack(v) for k, v in dict(x=cx, dy=cdy, w=cw, b=cb, mean=cmean, rstd=crstd, rms=crms,
-                                                      o=co, g=cg).items()}
-    ops = {
-        "layer_norm": (lambda a: layer_norm(a["x"], a["w"], a["b"]),
-                       lambda: F.layer_norm(t["x"], (n,), t["w"], t["b"])),
-        "rms_norm": (lambda a: rms_norm(a["x"], a["w"]), lambda: F.rms_norm(t["x"], (n,), t["w"])),
-        "layer_norm_backward": (lambda a: layer_norm_backward(a["dy"], a["x"], a["mean"], a["rstd"], a["w"]),
-                                lambda: torch.ops.aten.native_layer_norm_backward(
-                                    t["dy"], t["x"], (n,), t["mean"], t["rstd"], t["w"], t["b"], [True] * 3)),
-        "rms_norm_backward": (lambda a: rms_norm_backward(a["dy"], a["x"], a["rms"], a["w"]),
-                              lambda: torch.ops.aten._fused_rms_norm_backward(
-                                  t["dy"], t["x"], (n,), t["rms"], t["w"], [True, True])),
-        "attention_delta": (lambda a: attention_delta(a["o"], a["g"]),
-                            lambda: (t["o"].float() * t["g"].float()).sum(-1)),
-    }
     c = dict(x=cx, dy=cdy, w=cw, b=cb, mean=cmean, rstd=crstd, rms=crms, o=co, g=cg)
-    for op, (ours, native) in ops.items():
-        fns = {"cunorm (CuPy)": lambda ours=ours: ours(c)}
-        if torch is not None:
-            fns["cunorm (torch)"] = lambda ours=ours: ours(t)
-            try:
-                native()
+    to_torch = _torch_from_dlpack()
+    t = {k: to_torch(v) for k, v in c.items()} if to_torch is not None else {}
+    ours = {
+        "layer_norm": lambda a: layer_norm(a["x"], a["w"], a["b"]),
+        "rms_norm": lambda a: rms_norm(a["x"], a["w"]),
+        "layer_norm_backward": lambda a: layer_norm_backward(a["dy"], a["x"], a["mean"], a["rstd"], a["w"]),
+        "rms_norm_backward": lambda a: rms_norm_backward(a["dy"], a["x"], a["rms"], a["w"]),
+        "attention_delta": lambda a: attention_delta(a["o"], a["g"]),
+    }
+    for op in HOST_OPS:
+        fns = {"cunorm (CuPy)": functools.partial(ours[op], c)}
+        if t:
+            fns["cunorm (torch)"] = functools.partial(ours[op], t)
+            native = torch_native(op, t, n)
+            if native is not None:
                 fns["torch"] = native
-            except (AttributeError, RuntimeError):  # an op this torch lacks
-                pass
         yield op, fns
 
 
 def run_host(shapes=HOST_SHAPES, dtype: str = "bfloat16", repeat: int = 7, out=sys.stdout) -> dict:
     """Per-call host time of every op through the API, beside torch's (same run)."""
-    import cupy
-
-    props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
-    results = {"gpu": props["name"].decode(), "dtype": dtype, "rows": []}
+    results = {"gpu": gpu_name(), "dtype": dtype, "rows": []}
     print(f"# {results['gpu']}: microseconds per call, back to back (median [min, max] of {repeat} rounds)",
           file=out)
     print(f"{'op':<22} {'shape':<13} {'variant':<15} {'us/call':>8} {'min':>7} {'max':>7}", file=out)
-    for shape in shapes:
-        for op, fns in host_cases(shape, dtype):
-            for variant, (med, lo, hi) in per_call_us(fns, repeat).items():
-                shown = shape if op != "attention_delta" else (shape[0] * shape[1] // DELTA_HEAD_DIM, DELTA_HEAD_DIM)
-                results["rows"].append({"op": op, "shape": list(shown), "variant": variant, "us": med, "min": lo,
-                                        "max": hi})
-                print(f"{op:<22} {str(shown):<13} {variant:<15} {med:>8.2f} {lo:>7.2f} {hi:>7.2f}", file=out,
-                      flush=True)
+    with progress(len(shapes) * len(HOST_OPS), "timing calls", out) as (bar, echo):
+        for shape in shapes:
+            for op, fns in host_cases(shape, dtype):
+                for variant, (med, lo, hi) in per_call_us(fns, repeat).items():
+                    shown = shape if op != "attention_delta" else (shape[0] * shape[1] // DELTA_HEAD_DIM,
+                                                                   DELTA_HEAD_DIM)
+                    results["rows"].append({"op": op, "shape": list(shown), "variant": variant, "us": med,
+                                            "min": lo, "max": hi})
+                    echo(f"{op:<22} {str(shown):<13} {variant:<15} {med:>8.2f} {lo:>7.2f} {hi:>7.2f}")
+                bar.update(1)
     return results
 
 
@@ -326,79 +484,34 @@ def graph_ms(fn, repeat: int = 20) -> float:
     return float(np.median(times))
 
 
-def run_graph(sizes=(768, 1024, 2048, 4096, 8192, 16384, 32768, 65536), dtype: str = "bfloat16", repeat: int = 20,
-              out=sys.stdout) -> dict:
+GRAPH_SIZES = (768, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
+
+
+def run_graph(sizes=GRAPH_SIZES, dtype: str = "bfloat16", repeat: int = 20, out=sys.stdout) -> dict:
     """Bandwidth through the API (torch tensors, back-to-back calls timed with
     events) beside the same calls replayed from a CUDA graph, as fractions of
     a same-run copy: what the host path costs at M*N = ELEMENTS."""
-    import cupy
     import torch
 
     copy = copy_bandwidth()
-    props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
-    results = {"gpu": props["name"].decode(), "copy_gbps": copy / 1e9, "rows": []}
+    results = {"gpu": gpu_name(), "copy_gbps": copy / 1e9, "rows": []}
     print(f"# {results['gpu']}: copy {copy / 1e9:.0f} GB/s; API (events around back-to-back calls) vs CUDA graph "
           f"replay, torch tensors", file=out)
     print(f"{'op':<28} {'N':>6} {'API':>7} {'graph':>7} {'API/graph':>9}", file=out)
-    for name, n, nbytes, fn in norm_cases(sizes, dtype, variants=("layer_norm", "rms_norm"),
-                                          as_array=torch.from_dlpack):
-        api = median_ms(fn, repeat)
-        graph = graph_ms(fn, repeat)
-        row = {"op": name, "n": n, "api": nbytes / (api * 1e-3) / copy, "graph": nbytes / (graph * 1e-3) / copy}
-        results["rows"].append(row)
-        print(f"{name:<28} {n:>6} {row['api']:>7.3f} {row['graph']:>7.3f} {row['api'] / row['graph']:>9.3f}",
-              file=out, flush=True)
+    with progress(len(sizes) * len(PLAIN_OPS) * len(DIRECTIONS), "API vs graph", out) as (bar, echo):
+        for case in norm_cases(sizes, dtype, ops=PLAIN_OPS, as_array=torch.from_dlpack):
+            api = median_ms(case.call, repeat)
+            graph = graph_ms(case.call, repeat)
+            row = {"op": case.op, "n": case.n, "api": case.nbytes / (api * 1e-3) / copy,
+                   "graph": case.nbytes / (graph * 1e-3) / copy}
+            results["rows"].append(row)
+            echo(f"{case.op:<28} {case.n:>6} {row['api']:>7.3f} {row['graph']:>7.3f} "
+                 f"{row['api'] / row['graph']:>9.3f}")
+            bar.update(1)
     return results
 
 
-def main(argv=None, prog: str = "python -m cunorm.bench") -> int:
-    import argparse
-
-    from .cli import EXIT_NO_GPU, gpu_missing
-
-    p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--sizes", default=",".join(map(str, BENCH_SIZES)), help="LayerNorm hidden sizes ('' for none)")
-    p.add_argument("--head-dims", default=",".join(map(str, DELTA_HEAD_DIMS)), help="attention_delta head dims")
-    p.add_argument("--dtype", default="bfloat16", help="activations' dtype")
-    p.add_argument("--weight-dtype", default=None, help="weights' dtype (default: the activations')")
-    p.add_argument("--repeat", type=int, default=20, help="timed batches per case")
-    p.add_argument("--no-extras", action="store_true", help="skip the strided-row and odd-size comparisons")
-    p.add_argument("--host", action="store_true", help="per-call host time of every op (CuPy arrays, torch "
-                   "tensors, torch's own op) at the host shapes, instead of bandwidth")
-    p.add_argument("--graph", action="store_true", help="bandwidth through the API beside CUDA-graph replay "
-                   "(torch tensors), instead of the bandwidth table")
-    p.add_argument("--source", default=None, help="an edited copy of kernels/norm_fwd.cu or norm_bwd.cu: an "
-                   "interleaved A/B against the shipped file at --sizes")
-    p.add_argument("--rounds", type=int, default=5, help="interleaved A/B rounds (with --source)")
-    p.add_argument("--json", action="store_true", help="print the results as JSON (the table goes to stderr)")
-    p.add_argument("--output", default=None, help="also write the results as JSON to this file")
-    a = p.parse_args(argv)
-    source = None
-    if a.source:
-        with open(a.source) as f:
-            source = f.read()
-        if not defined_kernels(source) & {"norm_fwd", "norm_bwd"}:
-            p.error(f"--source {a.source}: defines neither norm_fwd nor norm_bwd")
-    if gpu_missing(prog, a.json):
-        return EXIT_NO_GPU
-    out = sys.stderr if a.json else sys.stdout
-    ints = lambda text: tuple(int(v) for v in text.split(",") if v)  # noqa: E731
-    if source is not None:
-        res = compare(ints(a.sizes), source, a.dtype, a.rounds, max(a.repeat // 2, 5), out=out)
-    elif a.host:
-        res = run_host(dtype=a.dtype, repeat=max(a.repeat // 3, 5), out=out)
-    elif a.graph:
-        res = run_graph(dtype=a.dtype, out=out)
-    else:
-        res = run(ints(a.sizes), a.dtype, a.weight_dtype, a.repeat, out=out, head_dims=ints(a.head_dims),
-                  extras=not a.no_extras)
-    if a.json:
-        print(json.dumps(res, indent=1))
-    if a.output:
-        with open(a.output, "w") as f:
-            json.dump(res, f, indent=1)
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    from .cli import bench
+
+    bench(prog_name="python -m cunorm.bench")

@@ -15,6 +15,8 @@ from .traits import Traits
 SHAPES = dict(ctas_per_row=(1, 2, 4, 8), warps_n=(1, 2, 4, 8, 16, 32), warps_m=(1, 2, 4, 8), bytes_per_ldg=(16, 8))
 EXTRAS = dict(stages=(1, 2, 3, 4), min_ctas_per_sm=(1, 2), cache_weights=(True, False),
               smem_accumulators=(False, True), recompute=(True, False))
+SIZES = (1024, 4096, 8192, 16384)  # what `cunorm tune` tunes by default
+DIRECTIONS = {"fwd": (False,), "bwd": (True,), "both": (False, True)}  # backward flags per --direction
 
 
 def _legal(base: dict, **knobs):
@@ -72,25 +74,31 @@ def _usable(traits: Traits, device_id: int) -> bool:
     return all(k.function.local_size_bytes == 0 for k in kernels.values())
 
 
-def _time_all(traits_list, fn_for, repeat, out):
+def _time_all(traits_list, fn_for, repeat, out, label: str):
     """[(ms, traits)] for the usable candidates, compiled in parallel first."""
     from concurrent.futures import ThreadPoolExecutor
 
     import cupy
 
-    from .bench import median_ms
+    from .bench import median_ms, progress
 
     dev = cupy.cuda.Device().id
-    with ThreadPoolExecutor(max_workers=16) as pool:
-        usable = list(pool.map(lambda t: _usable(t, dev), traits_list))
+    usable = []
+    compiling = progress(len(traits_list), f"{label}: compiling", out)
+    with ThreadPoolExecutor(max_workers=16) as pool, compiling as (bar, _):
+        for ok in pool.map(lambda t: _usable(t, dev), traits_list):
+            usable.append(ok)
+            bar.update(1)
     timed = []
-    for t, ok in zip(traits_list, usable):
-        if not ok:
-            continue
-        try:
-            timed.append((median_ms(fn_for(t), repeat=repeat, warmup=2, batch=5), t))
-        except Exception as e:  # a candidate that fails to launch is reported, not fatal
-            print(f"  {t.short()}: {type(e).__name__}: {str(e).splitlines()[0]}", file=out)
+    with progress(sum(usable), f"{label}: timing", out) as (bar, echo):
+        for t, ok in zip(traits_list, usable):
+            if not ok:
+                continue
+            try:
+                timed.append((median_ms(fn_for(t), repeat=repeat, warmup=2, batch=5), t))
+            except Exception as e:  # a candidate that fails to launch is reported, not fatal
+                echo(f"  {t.short()}: {type(e).__name__}: {str(e).splitlines()[0]}")
+            bar.update(1)
     timed.sort(key=lambda p: p[0])
     return timed
 
@@ -119,59 +127,50 @@ def tune(hidden_size: int, dtype: str = "bfloat16", backward: bool = False, elem
             return lambda: layer_norm_backward(dy, x, mean, rstd, w, traits=knobs)
         return lambda: layer_norm(x, w, w, return_stats=True, traits=knobs)
 
-    shapes = _time_all(candidates(hidden_size, dtype, backward, rms=rms), fn_for, repeat, out)
+    label = f"{'rms-' if rms else ''}{'bwd' if backward else 'fwd'} N={hidden_size}"
+    shapes = _time_all(candidates(hidden_size, dtype, backward, rms=rms), fn_for, repeat, out, f"{label} shapes")
     refined = [t for _, shape in shapes[:keep] for t in refinements(shape)]
-    return sorted(shapes + _time_all(refined, fn_for, repeat, out), key=lambda p: p[0])
+    return sorted(shapes + _time_all(refined, fn_for, repeat, out, f"{label} extras"), key=lambda p: p[0])
 
 
-def main(argv=None, prog: str = "python -m cunorm.tune") -> int:
-    import argparse
-
+def run(sizes=SIZES, dtype: str = "bfloat16", direction: str = "both", rms: bool = False, top: int = 3,
+        warps_n=None, as_json: bool = False, output: str | None = None, out=sys.stdout):
+    """Tunes every size in `direction` ("fwd", "bwd" or "both"): the `top`
+    candidates of each as TUNE lines to `out`; the best knobs of each as a
+    JSON line, printed to stdout (`as_json`) and appended to the file `output`.
+    `warps_n`: the WARPS_N values to try (replaces SHAPES' for this process)."""
     from .bench import copy_bandwidth
-    from .cli import EXIT_NO_GPU, gpu_missing
 
-    p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--sizes", default="1024,4096,8192,16384", help="hidden sizes to tune")
-    p.add_argument("--dtype", default="bfloat16", help="input dtype")
-    p.add_argument("--top", type=int, default=3, help="candidates printed per size")
-    p.add_argument("--direction", choices=["fwd", "bwd", "both"], default="both")
-    p.add_argument("--rms", action="store_true", help="tune RMSNorm (default LayerNorm)")
-    p.add_argument("--warps-n", default=None, help="WARPS_N values to try (default %s)" % (SHAPES["warps_n"],))
-    p.add_argument("--json", action="store_true", help="print the best knobs per size as JSON lines")
-    p.add_argument("--output", default=None, help="append the best knobs per size to this JSON-lines file")
-    a = p.parse_args(argv)
-    if gpu_missing(prog, a.json):
-        return EXIT_NO_GPU
-    out = sys.stderr if a.json else sys.stdout
-    if a.warps_n:
-        SHAPES["warps_n"] = tuple(int(v) for v in a.warps_n.split(","))
+    if warps_n:
+        SHAPES["warps_n"] = tuple(warps_n)
     copy = copy_bandwidth()
-    e = dtypes.itemsize(a.dtype)
-    for n in (int(s) for s in a.sizes.split(",")):
-        for backward in {"fwd": (False,), "bwd": (True,), "both": (False, True)}[a.direction]:
+    e = dtypes.itemsize(dtype)
+    for n in sizes:
+        for backward in DIRECTIONS[direction]:
             m = 2**26 // n
             nbytes = (3 if backward else 2) * m * n * e + 8 * m
-            ranked = tune(n, a.dtype, backward, rms=a.rms, out=out)
-            if ranked and (a.json or a.output):
+            ranked = tune(n, dtype, backward, rms=rms, out=out)
+            if ranked and (as_json or output):
                 ms, best = ranked[0]
                 general = n % dtypes.vector_elements(e) != 0  # contiguous rows of N: the general kernel
-                line = json.dumps({"backward": backward, "rms": a.rms, "general": general, "n": n,
-                                   "dtype": a.dtype, "ms": ms, "fraction_of_copy": nbytes / (ms * 1e-3) / copy,
+                line = json.dumps({"backward": backward, "rms": rms, "general": general, "n": n,
+                                   "dtype": dtype, "ms": ms, "fraction_of_copy": nbytes / (ms * 1e-3) / copy,
                                    "knobs": list(best.knobs().values())})
-                if a.json:
+                if as_json:
                     print(line, flush=True)
-                if a.output:
-                    with open(a.output, "a") as f:
+                if output:
+                    with open(output, "a") as f:
                         f.write(line + "\n")
-            for ms, t in ranked[:a.top]:
+            for ms, t in ranked[:top]:
                 frac = nbytes / (ms * 1e-3) / copy
-                print(f"TUNE {'rms-' if a.rms else ''}{'bwd' if backward else 'fwd'} N={n} {a.dtype} {frac:.3f} of copy "
+                print(f"TUNE {'rms-' if rms else ''}{'bwd' if backward else 'fwd'} N={n} {dtype} {frac:.3f} of copy "
                       f"{ms:.4f} ms "
                       f"knobs={tuple(int(v) for v in t.knobs().values())} "
                       f"ldgs={t.ldgs}",
                       file=out, flush=True)
-    return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from .cli import tune as command
+
+    command(prog_name="python -m cunorm.tune")

@@ -140,4 +140,4 @@ def test_modules_run_and_show_defaults(module):
     out = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     if module != "cunorm":
-        assert f"usage: python -m {module}" in out.stdout and "(default:" in out.stdout
+        assert f"Usage: python -m {module} [OPTIONS]" in out.stdout and "[default: " in out.stdout

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The whole GPU tier in one call, on a GPU machine, from the repository root:
-#   bash scripts/gpu_tier.sh [tests] [check] [sanitize] [racecheck] [bench] [host] [graph]
+#   bash scripts/gpu_tier.sh [tests] [check] [sanitize] [racecheck] [bench] [host] [graph] [notebook] [sweep]
 #   (default: tests check sanitize bench host)
 # Results go under $OUT (default ./gpu-results). Exit status: non-zero if any step failed.
 set -u -o pipefail
@@ -26,6 +26,17 @@ for step in "${steps[@]}"; do
     bench) run bench python3 -m cunorm.bench --output "$OUT/bench.json" ;;
     host) run host python3 -m cunorm.bench --host --output "$OUT/host.json" ;;
     graph) run graph python3 -m cunorm.bench --graph --output "$OUT/graph.json" ;;
+    # Executes examples/tour.ipynb in place (outputs kept; copied to $OUT). nbclient and ipykernel come from
+    # the `notebook` extra, or from wheels unpacked from .whl/ on a machine without a package index.
+    notebook) site=${TMPDIR:-/tmp}/cunorm-notebook-site
+              python3 -c "import nbclient, ipykernel" 2>/dev/null || { [ -d .whl ] &&  # wheels are zips
+                for w in .whl/*.whl; do python3 -m zipfile -e "$w" "$site"; done && export PYTHONPATH=$PYTHONPATH:$site; }
+              run notebook python3 scripts/run_notebook.py examples/tour.ipynb; cp examples/tour.ipynb "$OUT/" ;;
+    # Every kernel variant under each compute-sanitizer tool (SWEEP_SHARD=i/k runs a k-th of the cases).
+    sweep) for tool in memcheck racecheck synccheck initcheck; do
+             run "sweep-$tool" compute-sanitizer --tool "$tool" --error-exitcode 99 \
+               python3 scripts/sanitize_sweep.py --shard "${SWEEP_SHARD:-0/1}"
+           done ;;
     *) echo "unknown step $step"; status=2 ;;
   esac
 done

@@ -27,7 +27,7 @@ for step in "${steps[@]}"; do
     host) run host python3 -m cunorm.bench --host --output "$OUT/host.json" ;;
     graph) run graph python3 -m cunorm.bench --graph --output "$OUT/graph.json" ;;
     # Executes examples/tour.ipynb in place (outputs kept; copied to $OUT). nbclient and ipykernel come from
-    # the `notebook` extra, or from wheels unpacked from .whl/ on a machine without a package index.
+    # the `notebook` (or `test`) extra, or from wheels unpacked from .whl/ on a machine without a package index.
     notebook) site=${TMPDIR:-/tmp}/cunorm-notebook-site
               python3 -c "import nbclient, ipykernel" 2>/dev/null || { [ -d .whl ] &&  # wheels are zips
                 for w in .whl/*.whl; do python3 -m zipfile -e "$w" "$site"; done && export PYTHONPATH=$PYTHONPATH:$site; }

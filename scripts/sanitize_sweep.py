@@ -1,0 +1,58 @@
+"""Every kernel variant the checker knows, a few rows each, for compute-sanitizer.
+
+The cases are `cunorm check`'s sweeps (every tuned entry and heuristic sample
+of every op and dtype mix, the general kernel's odd sizes and layouts, the
+flags, the pairwise draw of every tensor's dtype and layout) at 3 rows, so each
+kernel runs every code path (full row groups and a partial one) in
+milliseconds. Every case runs against the float64 reference as in `cunorm
+check`. Kernels are compiled first, outside the sanitized launches' way.
+
+    compute-sanitizer --tool memcheck --error-exitcode 99 python3 scripts/sanitize_sweep.py [--shard 0/4]
+
+CuPy's memory pool is off (set before any allocation): memcheck misses
+out-of-bounds accesses that land inside a pool block.
+"""
+import argparse
+import collections
+import dataclasses
+import sys
+import time
+
+import cupy
+
+cupy.cuda.set_allocator(None)
+
+from cunorm import check  # noqa: E402
+
+
+def sweep_cases(rows: int = 3) -> list:
+    cases = check.default_cases(rows=(rows,))
+    return list(dict.fromkeys(dataclasses.replace(c, rows=rows) for c in cases))
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--shard", default="0/1", help="i/k: run every k-th case starting at i")
+    p.add_argument("--rows", type=int, default=3)
+    a = p.parse_args(argv)
+    i, k = (int(v) for v in a.shard.split("/"))
+    cases = sweep_cases(a.rows)[i::k]
+    arch = cupy.cuda.Device().compute_capability
+    kernels = collections.Counter(origin for _, origin in check.case_kernels(cases, int(arch)))
+    t0 = time.time()
+    check.precompile(cases)
+    print(f"shard {a.shard}: {len(cases)} cases, {sum(kernels.values())} distinct kernels "
+          f"({', '.join(f'{n} {o}' for o, n in kernels.items())}); compiled in {time.time() - t0:.0f} s", flush=True)
+    bad = 0
+    rng = check.np.random.default_rng(0)
+    for case in cases:
+        for r in check.run_case(case, rng):
+            if not r.ok:
+                print(f"FAIL {r.case.label()} {r.output} {r.error:.2e} > {r.tolerance:.0e}", flush=True)
+                bad += 1
+    print(f"shard {a.shard}: {len(cases)} cases run, {bad} failed outputs, {time.time() - t0:.0f} s")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -135,7 +135,8 @@ class _Family:
     traits_class = DeltaTraits
 
     @staticmethod
-    def choose(arch: int, head_dim: int, out_dtype: str, grad_dtype: str, max_elts_per_ldg: int) -> DeltaTraits:
+    def choose(arch: int, head_dim: int, out_dtype: str, grad_dtype: str, max_elts_per_ldg: int,
+               gpu=None) -> DeltaTraits:  # no tuned tables: gpu is unused
         return heuristic(head_dim, out_dtype, grad_dtype, max_elts_per_ldg)
 
 

@@ -467,7 +467,7 @@ def case_kernels(cases, arch: int, spills=None):
             except ValueError as e:
                 yield e, "unsupported"
                 continue
-            if spills is not None and found[0][1] == "tuned" and spills(found[0][0]):
+            if spills is not None and dispatch.measured(found[0][1]) and spills(found[0][0]):
                 found = [(dispatch.choose(arch=arch, tuned=False, **call)[0], "heuristic (the tuned entry spills)")]
         for traits, origin in found:
             if traits not in seen:

@@ -11,6 +11,7 @@ import click
 import numpy as np
 
 from . import dispatch, dtypes
+from .dispatch import measured
 from .bench import BENCH_SIZES, DELTA_HEAD_DIMS
 from .tune import SHAPES as TUNE_SHAPES, SIZES as TUNE_SIZES
 
@@ -54,6 +55,15 @@ def gpu_missing(command: str, as_json: bool, hint: str = "") -> bool:
         print(json.dumps({"error": "no CUDA GPU found", "exit": EXIT_NO_GPU}))
     print(f"{command}: no CUDA GPU found" + (f" ({hint})" if hint else ""), file=sys.stderr)
     return True
+
+
+def _gpu_of_arch(arch: int):
+    """This machine's first GPU model (for its tuned tables) when it is of `arch`, else None."""
+    if gpu_count() < 1:
+        return None
+    from .compiler import device_arch, device_gpu
+
+    return device_gpu(0) if device_arch(0) == arch else None
 
 
 def gpu_count() -> int:
@@ -169,7 +179,7 @@ def _compile_only(cases, arch, as_json, source=None) -> int:
                 rows.append({**row, "verdict": "failed", "error": str(report)})
                 continue
             spills = not report.clean
-            verdict = "clean" if not spills else "failed: a tuned entry spills" if origin == "tuned" else "spills"
+            verdict = "clean" if not spills else "failed: a tuned entry spills" if measured(origin) else "spills"
             rows.append({**row, "verdict": verdict, "spills": spills,
                          "spill_bytes": sum(f.spill_stores + f.spill_loads for f in report.functions),
                          "functions": [f.__dict__ for f in report.functions]})
@@ -192,7 +202,7 @@ def _compile_only(cases, arch, as_json, source=None) -> int:
             for f in r["functions"]:
                 spill = f["spill_stores"] + f["spill_loads"]
                 clean = not spill and not f["stack_frame"]
-                verdict = "ok" if clean else "FAIL (tuned entry spills)" if r["source"] == "tuned" else "spills"
+                verdict = "ok" if clean else "FAIL (tuned entry spills)" if measured(r["source"]) else "spills"
                 click.echo(f"{label:<100} {f['name']:<24} {f['registers']:>4} {f['stack_frame']:>5} {spill:>5}  "
                            f"{verdict}")
         click.echo(f"sm_{arch}: {summary['compiled']} compiled ({summary['spilled']} with spills), "
@@ -254,21 +264,29 @@ def list_(arch, as_json):
         message = f"sm_{arch}: no kernel of this table runs there (the normalization kernels need sm_{MIN_ARCH} or newer)"
         click.echo(json.dumps({"arch": arch, "error": message, "rows": []}) if as_json else message)
         sys.exit(EXIT_FAIL)
+    gpu = _gpu_of_arch(arch)
+    from .tables import tables_for
+
+    tables = [t.origin for t in tables_for(gpu)]
     rows = []
     for n in dispatch.TUNED_SIZES:
         for dt in dtypes.NAMES:
             for backward in (False, True):
                 row = {"hidden_size": n, "dtype": dt, "op": "bwd" if backward else "fwd"}
                 try:
-                    t, source = dispatch.choose(hidden_size=n, input_dtype=dt, weight_dtype=dt, output_dtype=dt, backward=backward, arch=arch)
+                    t, source = dispatch.choose(hidden_size=n, input_dtype=dt, weight_dtype=dt, output_dtype=dt,
+                                                backward=backward, arch=arch, gpu=gpu)
                 except ValueError as e:
                     rows.append({**row, "source": "unsupported", "error": str(e)})
                     continue
                 rows.append({**row, "source": source, **t.knobs(), "ldgs": t.ldgs,
                              "threads_per_cta": t.threads_per_cta})
     if as_json:
-        click.echo(json.dumps(rows, indent=1))
+        click.echo(json.dumps({"arch": arch, "gpu": None if gpu is None else gpu.as_dict(), "tables": tables,
+                               "rows": rows}, indent=1))
         return
+    click.echo(f"# sm_{arch}" + ("" if gpu is None else f", {gpu.name}") + ": "
+               + ("; ".join(tables) + ", then " if tables else "") + "the sm_90 literal (tuned.py), the heuristic")
     click.echo(f"{'N':>6} {'dtype':<9} {'op':<3} {'WARPS_M':>7} {'WARPS_N':>7} {'CTAS/ROW':>8} {'B/LDG':>5} "
                f"{'LDGS':>4} {'threads':>7}  source")
     for r in rows:

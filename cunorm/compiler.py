@@ -141,6 +141,21 @@ def device_arch(device_id: int) -> int:
     return int(cupy.cuda.Device(device_id).compute_capability)
 
 
+@functools.lru_cache(maxsize=None)
+def device_gpu(device_id: int):
+    """The GPU model of `device_id` (cunorm.tables.GPU), which picks its tuned tables."""
+    from .tables import GPU
+
+    return GPU.of_device(device_id)
+
+
+def cuda_version() -> int:
+    """The CUDA runtime's version number (e.g. 12080 for 12.8), recorded with a tuned table."""
+    import cupy
+
+    return int(cupy.cuda.runtime.runtimeGetVersion())
+
+
 def kernels_for(traits, device_id: int, source: str | None = None) -> dict:
     """{name: Kernel} for `traits` (and an edited kernel file `source`, if
     given) on GPU `device_id`, compiled on first use. Threads asking for the

@@ -1,11 +1,14 @@
 """Which traits run a given normalization call.
 
-Two sources, in this order: the tuned tables (knobs measured best on a GPU by
-`python -m cunorm.tune`, the literals in tuned.py; used for calls without a
-residual: TUNED for aligned rows, and for general rows TUNED_GENERAL, then
-TUNED, at the aligned neighbour's size), then a heuristic that derives legal
-traits for any other call.
-Both give only the knobs; the call supplies hidden size, dtypes, flags and what
+Sources, in this order: the tuned tables of this GPU model (`cunorm.tables`:
+the user's, written by `cunorm tune`, then one shipped for the model), the
+sm_90 literal in tuned.py (knobs measured best on an H200 and an H100, for
+calls without a residual: TUNED for aligned rows, and for general rows
+TUNED_GENERAL, then TUNED, at the aligned neighbour's size), then a heuristic
+that derives legal traits for any other call. A table's entry serves the
+calls of its key (direction, RMSNorm or LayerNorm, residual or not, input
+element bytes), general rows taking the entry of their aligned neighbour.
+All give only the knobs; the call supplies hidden size, dtypes, flags and what
 its layout allows (`cunorm.layout.vector_widths`), and `Traits` checks the result.
 """
 from __future__ import annotations
@@ -72,41 +75,69 @@ def from_knobs(knobs: dict, **call) -> Traits:
     return Traits(**fields, **{**KNOB_DEFAULTS, **knobs}, aligned_rows=elts <= aligned_vector)
 
 
-def choose(*, arch: int = CLUSTER_MIN_ARCH, tuned: bool = True, **call) -> tuple:
-    """(Traits, source) for a call, source being "tuned" or "heuristic". A call
-    without aligned rows (odd N, offset views, odd row strides) takes the tuned
-    knobs of its aligned neighbour (N rounded down to whole 16-byte vectors):
-    its general-rows entry, else its aligned entry, when legal for the call.
-    tuned=False: the heuristic only. A tuned entry that compiles with spills
-    for the call's dtype mix is replaced by the heuristic's pick where it is
-    compiled (`plan`, `check.case_kernels`): spills are known only then."""
+HEURISTIC, TUNED_LITERAL = "heuristic", "tuned"  # origins of a choice besides the tables' (Table.origin)
+
+
+def measured(origin: str) -> bool:
+    """Whether a choice came from measured knobs (a table or the literal), not the heuristic or the caller."""
+    return origin not in (HEURISTIC, "caller")
+
+
+def choose(*, arch: int = CLUSTER_MIN_ARCH, tuned: bool = True, gpu=None, **call) -> tuple:
+    """(Traits, origin) for a call: origin names the table the knobs came from
+    (a table's `origin`, "tuned" for the literal in tuned.py) or "heuristic".
+    `gpu` (cunorm.tables.GPU) adds that model's tables. A call without aligned
+    rows (odd N, offset views, odd row strides) takes the knobs of its aligned
+    neighbour (N rounded down to whole 16-byte vectors): its general-rows
+    entry, else its aligned entry, when legal for the call. tuned=False: the
+    heuristic only. Measured knobs that compile with spills for the call's
+    dtype mix are replaced by the heuristic's pick where they are compiled
+    (`plan`, `check.case_kernels`): spills are known only then."""
     fields, max_vector, aligned_vector = call_fields(**call)
     n, input_dtype, backward = fields["hidden_size"], fields["input_dtype"], fields.get("backward", False)
     aligned = aligned_vector == max_vector
-    tables = (() if not tuned or arch != TUNED_ARCH or fields.get("has_residual") else (False,) if aligned
-              else (True, False))
-    for general in tables:
-        knobs = tuned_knobs(backward, tuned_neighbour(n, input_dtype), input_dtype, general)
-        if knobs is None:
-            continue
-        try:  # a tuned shape may not suit every dtype mix, layout or GPU (registers, shared memory, clusters)
-            t = from_knobs(dict(zip(KNOBS, knobs)), **call)
-            if t.aligned_rows != aligned:
-                raise ValueError("the layout needs narrower loads than the tuned entry")
-            if not general and not t.aligned_rows and t.threads_per_cta > 256:
-                t = t.replace(cache_weights=False)  # shifted rows take an extra vector and masks: registers
-            present = [t.weight_dtype] * t.has_weight + [t.bias_dtype] * t.has_bias
-            wide = max(map(dtypes.itemsize, present), default=0)
-            if wide > dtypes.itemsize(input_dtype):
-                # Wider weights than the tuned case: never hold them, and no 64-register CTAs.
-                t = t.replace(cache_weights=False)
-                if t.threads_per_cta > 512:
-                    raise ValueError("1024-thread CTAs spill with wide weights")
-            t.check_arch(arch)
-            return t, "tuned"
-        except ValueError:
-            pass
-    return heuristic(arch=arch, elts_per_ldg=max_vector, aligned_rows=aligned, **fields), "heuristic"
+    generals = (False,) if aligned else (True, False)
+    if tuned:
+        from .tables import Key, tables_for
+
+        neighbour, nbytes = tuned_neighbour(n, input_dtype), dtypes.itemsize(input_dtype)
+        rms, residual = fields.get("rms", False), fields.get("has_residual", False)
+        for table in tables_for(gpu):
+            for general in generals:
+                knobs = table.knobs(Key(backward, rms, residual, neighbour, nbytes, general))
+                t = None if knobs is None else _fit(knobs, call, general, aligned, arch)
+                if t is not None:
+                    return t, table.origin
+        if arch == TUNED_ARCH and not residual:
+            for general in generals:
+                knobs = tuned_knobs(backward, neighbour, input_dtype, general)
+                t = None if knobs is None else _fit(dict(zip(KNOBS, knobs)), call, general, aligned, arch)
+                if t is not None:
+                    return t, TUNED_LITERAL
+    return heuristic(arch=arch, elts_per_ldg=max_vector, aligned_rows=aligned, **fields), HEURISTIC
+
+
+def _fit(knobs: dict, call: dict, general: bool, aligned: bool, arch: int) -> Traits | None:
+    """Measured knobs made to fit a call, or None where they cannot: a measured shape may not suit every
+    dtype mix, layout or GPU (registers, shared memory, clusters)."""
+    input_dtype = call["input_dtype"]
+    try:
+        t = from_knobs(knobs, **call)
+        if t.aligned_rows != aligned:
+            raise ValueError("the layout needs narrower loads than the tuned entry")
+        if not general and not t.aligned_rows and t.threads_per_cta > 256:
+            t = t.replace(cache_weights=False)  # shifted rows take an extra vector and masks: registers
+        present = [t.weight_dtype] * t.has_weight + [t.bias_dtype] * t.has_bias
+        wide = max(map(dtypes.itemsize, present), default=0)
+        if wide > dtypes.itemsize(input_dtype):
+            # Wider weights than the tuned case: never hold them, and no 64-register CTAs.
+            t = t.replace(cache_weights=False)
+            if t.threads_per_cta > 512:
+                raise ValueError("1024-thread CTAs spill with wide weights")
+        t.check_arch(arch)
+        return t
+    except ValueError:
+        return None
 
 
 def heuristic(*, hidden_size: int, input_dtype: str, elts_per_ldg: int | None = None, aligned_rows: bool = True,

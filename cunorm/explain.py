@@ -5,7 +5,7 @@ import inspect
 from dataclasses import dataclass
 
 from . import dispatch, dtypes, layout, norm, plan
-from .compiler import arch_number, device_arch
+from .compiler import arch_number, device_arch, device_gpu
 from .norm import calls, plans
 from .source import check_source
 from .traits import Traits
@@ -21,7 +21,9 @@ class Explanation:
     vectors), "narrow" (aligned rows, narrower vectors: the row tensors sit at
     different offsets from 16-byte boundaries), "general" (shifted rows with
     masked ends) or "reference" (numpy inputs, float64 on the CPU: traits and
-    reasons then preview a GPU of `arch`); source: "tuned", "heuristic" or "caller"."""
+    reasons then preview a GPU of `arch`); source: where the traits came from:
+    a tuned table of this GPU model ("user table PATH", "shipped H200 table"),
+    "tuned" (the sm_90 literal), "heuristic" or "caller"."""
 
     op: str
     path: str
@@ -98,7 +100,8 @@ def explain(op, *args, arch: int | str | None = None, **kwargs) -> Explanation:
         reasons.append(f"numpy inputs run the float64 reference on the CPU; on an sm_{arch} GPU this call would "
                        f"run what follows")
     if traits is None:
-        t, origin = dispatch.choose(arch=arch, **p.base)
+        gpu = device_gpu(dev) if on_gpu and arch == device_arch(dev) else None  # its tuned tables
+        t, origin = dispatch.choose(arch=arch, gpu=gpu, **p.base)
     else:
         t, origin = plan.resolve_traits(plans.Family, traits, p.base, arch), "caller"
     if source is not None:
@@ -111,6 +114,10 @@ def explain(op, *args, arch: int | str | None = None, **kwargs) -> Explanation:
         reasons.append(f"dispatch: the tuned entry for {'general rows beside ' if general else ''}N={neighbour} "
                        f"(sm_{dispatch.TUNED_ARCH}); if it compiles with spills for this dtype mix, the "
                        f"heuristic's pick runs instead (`cunorm check --compile-only` lists where)")
+    elif dispatch.measured(origin):
+        reasons.append(f"dispatch: the entry for N={dispatch.tuned_neighbour(t.hidden_size, t.input_dtype)} in the "
+                       f"{origin} (measured on this GPU model by cunorm tune); if it compiles with spills for this "
+                       f"dtype mix, the heuristic's pick runs instead")
     elif origin == "heuristic":
         reasons.append("dispatch: the heuristic (no tuned entry applies: other GPU, size, residual or layout)")
     path = path_of(t, p.base["max_vector"]) if on_gpu else "reference"

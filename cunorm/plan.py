@@ -16,7 +16,7 @@ import dataclasses
 import functools
 from collections.abc import Mapping
 
-from .compiler import device_arch, kernels_for
+from .compiler import device_arch, device_gpu, kernels_for
 from .kinds import kind_of
 from .source import check_source
 
@@ -59,6 +59,13 @@ def call_key(values: tuple, flags: tuple) -> tuple:
     return tuple(key), ptrs
 
 
+def forget_choices():
+    """Forgets every dispatch choice and plan (a tuned table changed): calls plan again."""
+    _plan.cache_clear()
+    choose_traits.cache_clear()
+    CALLS.clear()
+
+
 def remember(key, call):
     """Caches a call plan under `key` (None: not cacheable)."""
     if key is not None and len(CALLS) < MAX_CALLS:
@@ -70,7 +77,7 @@ def _plan(family, base: tuple, device_id: int, knobs: tuple | None, source: str 
     """Traits and loaded kernels for a call signature on a device, cached so
     that repeated calls skip dispatch and traits checks."""
     arch = device_arch(device_id)
-    traits = choose_traits(family, base, arch, knobs)
+    traits = choose_traits(family, base, arch, knobs, device_gpu(device_id) if knobs is None else None)
     kernels = kernels_for(traits, device_id, None if source is None else check_source(traits, source))
     fallback = getattr(family, "untuned", None)
     if knobs is None and source is None and fallback and any(k.local_bytes for k in kernels.values()):
@@ -82,11 +89,12 @@ def _plan(family, base: tuple, device_id: int, knobs: tuple | None, source: str 
 
 
 @functools.lru_cache(maxsize=4096)
-def choose_traits(family, base: tuple, arch: int, knobs: tuple | None):
-    """The traits a call signature runs with on `arch` (nothing compiled)."""
+def choose_traits(family, base: tuple, arch: int, knobs: tuple | None, gpu=None):
+    """The traits a call signature runs with on `arch` (nothing compiled);
+    `gpu` (cunorm.tables.GPU) adds the tuned tables of that GPU model."""
     fields = dict(base)
     if knobs is None:
-        return family.choose(arch=arch, **fields)
+        return family.choose(arch=arch, gpu=gpu, **fields)
     build = getattr(family, "from_knobs", None)
     traits = build(dict(knobs), **fields) if build else family.traits_class(**fields, **dict(knobs))
     traits.check_arch(arch)

@@ -10,9 +10,11 @@ from cunorm import cli
 def test_list_json_covers_the_tuned_table():
     res = CliRunner().invoke(cli.main, ["list", "--json"])
     assert res.exit_code == 0, res.output
-    rows = json.loads(res.stdout)
+    out = json.loads(res.stdout)
+    rows = out["rows"]
     from cunorm import dispatch
 
+    assert out["arch"] == 90 and isinstance(out["tables"], list)
     assert {r["hidden_size"] for r in rows} == set(dispatch.TUNED_SIZES)
     assert {r["op"] for r in rows} == {"fwd", "bwd"}
 

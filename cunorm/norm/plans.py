@@ -23,8 +23,8 @@ class Family:
     traits_class = Traits
 
     @staticmethod
-    def choose(arch: int, **call) -> Traits:
-        return dispatch.choose(arch=arch, **call)[0]
+    def choose(arch: int, gpu=None, **call) -> Traits:
+        return dispatch.choose(arch=arch, gpu=gpu, **call)[0]
 
     @staticmethod
     def from_knobs(knobs: dict, **call) -> Traits:

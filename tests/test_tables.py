@@ -1,0 +1,122 @@
+"""Tier A: per-GPU tuned tables (cunorm.tables) and how dispatch, explain and
+`cunorm list` use them, with a stand-in GPU model."""
+import json
+import warnings
+
+import pytest
+from click.testing import CliRunner
+
+import cunorm
+from cunorm import cli, dispatch, tables
+from cunorm.tables import GPU, Key, Table
+
+H200 = GPU("NVIDIA H200", 90, 132)
+CALL = dict(hidden_size=4096, input_dtype="bfloat16", weight_dtype="bfloat16", output_dtype="bfloat16")
+KNOBS = dict(warps_m=1, warps_n=2, ctas_per_row=1, bytes_per_ldg=16, stages=1, cache_weights=True,
+             min_ctas_per_sm=1)
+
+
+@pytest.fixture(autouse=True)
+def cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv(tables.ENV_DIR, str(tmp_path))
+    tables.forget()
+    yield tmp_path
+    tables.forget()
+
+
+def _save(entries: dict, gpu=H200) -> Table:
+    t = Table(gpu, cunorm.__version__, 12080, {})
+    for key, knobs in entries.items():
+        t.put(key, knobs, ms=0.1, fraction_of_copy=0.9, spread=[0.89, 0.91])
+    tables.save(t)
+    return t
+
+
+def test_a_user_table_entry_wins_over_the_literal_for_its_gpu_only():
+    _save({Key(False, False, False, 4096, 2): KNOBS})
+    t, origin = dispatch.choose(arch=90, gpu=H200, **CALL)
+    assert origin.startswith("user table") and str(tables.user_path(H200)) in origin
+    assert (t.warps_n, t.stages) == (2, 1)
+    assert dispatch.choose(arch=90, gpu=GPU("NVIDIA H100 80GB HBM3", 90, 132), **CALL)[1] == "tuned"
+    assert dispatch.choose(arch=90, **CALL)[1] == "tuned"
+
+
+def test_keys_separate_rmsnorm_residual_direction_and_width():
+    _save({Key(False, True, True, 4096, 2): KNOBS})
+    assert dispatch.choose(arch=90, gpu=H200, rms=True, has_bias=False, has_residual=True, residual_dtype="bfloat16",
+                           **CALL)[1].startswith("user table")
+    assert dispatch.choose(arch=90, gpu=H200, rms=True, has_bias=False, **CALL)[1] == "tuned"
+    assert dispatch.choose(arch=90, gpu=H200, **CALL)[1] == "tuned"
+    fp32 = {**CALL, "input_dtype": "float32", "weight_dtype": "float32", "output_dtype": "float32"}
+    assert dispatch.choose(arch=90, gpu=H200, rms=True, has_bias=False, has_residual=True, residual_dtype="float32",
+                           **fp32)[1] == "heuristic"
+
+
+def test_general_rows_take_their_aligned_neighbours_entry():
+    _save({Key(True, False, False, 4096, 2): {**KNOBS, "bytes_per_ldg": 16}})
+    t, origin = dispatch.choose(arch=90, gpu=H200, backward=True, **{**CALL, "hidden_size": 4097})
+    assert origin.startswith("user table") and not t.aligned_rows
+
+
+def test_an_entry_illegal_for_the_call_falls_through():
+    _save({Key(False, False, False, 4096, 2): {**KNOBS, "warps_n": 32, "warps_m": 2}})  # 2048 threads
+    assert dispatch.choose(arch=90, gpu=H200, **CALL)[1] == "tuned"
+
+
+@pytest.mark.parametrize("spoil", ["version", "gpu", "corrupt"])
+def test_an_unusable_user_table_is_ignored_with_one_warning(spoil):
+    _save({Key(False, False, False, 4096, 2): KNOBS})
+    path = tables.user_path(H200)
+    raw = json.loads(path.read_text())
+    if spoil == "version":
+        raw["cunorm"] = "0.0.1"
+        path.write_text(json.dumps(raw))
+    elif spoil == "gpu":
+        raw["gpu"]["sms"] = 114
+        path.write_text(json.dumps(raw))
+    else:
+        path.write_text("{not json")
+    tables.forget()
+    with pytest.warns(RuntimeWarning, match="ignoring the tuned table"):
+        assert dispatch.choose(arch=90, gpu=H200, **CALL)[1] == "tuned"
+    tables.forget()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per file and process
+        assert dispatch.choose(arch=90, gpu=H200, **CALL)[1] == "tuned"
+
+
+def test_a_table_round_trips_and_refuses_unknown_knobs():
+    t = _save({Key(True, True, False, 8192, 4, True): KNOBS})
+    back = tables.read(tables.user_path(H200), H200, "x")
+    assert back.entries == t.entries and back.gpu == H200
+    bad = json.loads(t.to_json())
+    bad["entries"][0]["knobs"]["warp_n"] = 4
+    with pytest.raises(tables.TableError, match="knobs"):
+        Table.from_json(json.dumps(bad))
+
+
+def test_a_shipped_table_serves_its_model_after_the_users(tmp_path, monkeypatch):
+    shipped = tmp_path / "shipped"
+    shipped.mkdir()
+    monkeypatch.setattr(tables, "SHIPPED_DIR", shipped)
+    t = Table(H200, cunorm.__version__, 12080, {})
+    t.put(Key(False, False, False, 4096, 2), {**KNOBS, "warps_n": 4})
+    (shipped / f"tuned-{H200.slug()}.json").write_text(t.to_json())
+    tables.forget()
+    t, origin = dispatch.choose(arch=90, gpu=H200, **CALL)
+    assert origin == "shipped NVIDIA H200 table" and t.warps_n == 4
+    _save({Key(False, False, False, 4096, 2): KNOBS})
+    assert dispatch.choose(arch=90, gpu=H200, **CALL)[1].startswith("user table")
+
+
+def test_list_names_where_each_entry_came_from(monkeypatch):
+    _save({Key(False, False, False, 4096, 2): KNOBS})
+    monkeypatch.setattr(cli, "_gpu_of_arch", lambda arch: H200)
+    out = json.loads(CliRunner().invoke(cli.main, ["list", "--json"]).stdout)
+    assert out["gpu"]["name"] == "NVIDIA H200" and out["tables"][0].startswith("user table")
+    sources = {(r["hidden_size"], r["dtype"], r["op"]): r["source"] for r in out["rows"]}
+    assert sources[(4096, "bfloat16", "fwd")].startswith("user table")
+    assert sources[(4096, "float16", "fwd")].startswith("user table")  # keyed by element bytes
+    assert sources[(4096, "bfloat16", "bwd")] == "tuned" and sources[(4096, "float32", "fwd")] == "heuristic"
+    text = CliRunner().invoke(cli.main, ["list"]).output
+    assert "NVIDIA H200" in text and "user table" in text.splitlines()[0]

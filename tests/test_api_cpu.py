@@ -1,7 +1,4 @@
 """Tier A: the numpy path (float64 reference on the CPU) and argument checks."""
-import sys
-from types import SimpleNamespace
-
 import numpy as np
 import pytest
 

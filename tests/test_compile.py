@@ -4,7 +4,7 @@ for rows no smaller CTA holds). Needs NVRTC, not a GPU."""
 import pytest
 
 import cunorm
-from cunorm import Traits, compile_only, dispatch, dtypes
+from cunorm import Traits, compile_only, dispatch
 from cunorm.compiler import parse_ptxas_log
 
 pytestmark = pytest.mark.nvrtc

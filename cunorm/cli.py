@@ -13,7 +13,8 @@ import numpy as np
 from . import dispatch, dtypes
 from .dispatch import measured
 from .bench import BENCH_SIZES, DELTA_HEAD_DIMS
-from .tune import SHAPES as TUNE_SHAPES, SIZES as TUNE_SIZES
+from .tune import (OPS as TUNE_OPS, RESIDUAL as TUNE_RESIDUAL, ROUNDS as TUNE_ROUNDS, SHAPES as TUNE_SHAPES,
+                   SIZES as TUNE_SIZES)
 
 EXIT_FAIL, EXIT_NO_GPU = 1, 3
 OP_NAMES = {"fwd": "layer_norm", "bwd": "layer_norm_backward", "rms": "rms_norm", "rms-bwd": "rms_norm_backward",
@@ -439,29 +440,56 @@ def bench(ctx, sizes, head_dims, dtype, weight_dtype, repeat, no_extras, host, g
         _plot(results, plot_file)
 
 
+def _tune_ops(ctx, param, values) -> tuple:
+    """--ops "fwd,bwd" --ops rms (comma-separated, repeatable) as OP names in order, once each; none: all."""
+    names = [v.strip() for value in values for v in value.split(",") if v.strip()]
+    unknown = [n for n in names if n not in TUNE_OPS]
+    if unknown:
+        raise click.BadParameter(f"unknown op {unknown[0]!r}; expected some of {', '.join(TUNE_OPS)}")
+    return tuple(dict.fromkeys(names)) or tuple(TUNE_OPS)
+
+
 @main.command()
 @click.option("--sizes", default=",".join(map(str, TUNE_SIZES)), show_default=True, callback=_hidden_sizes,
-              help="Hidden sizes to tune, comma-separated.")
-@click.option("--dtype", default="bfloat16", show_default=True, callback=_dtype, help="Input dtype.")
-@click.option("--top", type=click.IntRange(min=0), default=3, show_default=True, help="Candidates printed per size.")
-@click.option("--direction", type=click.Choice(["fwd", "bwd", "both"]), default="both", show_default=True,
-              help="Forward, backward or both.")
-@click.option("--rms", is_flag=True, help="Tune RMSNorm (default LayerNorm).")
+              help="Hidden sizes to tune, comma-separated. A size that is not whole 16-byte vectors fills the "
+                   "entry for the general rows beside its aligned neighbour.")
+@click.option("--ops", multiple=True, callback=_tune_ops, metavar="OP[,OP...]",
+              help=f"Ops to tune: {', '.join(TUNE_OPS)} (LayerNorm and RMSNorm, forward and backward; "
+                   f"comma-separated or repeatable; default all four).")
+@click.option("--residual", type=click.Choice(list(TUNE_RESIDUAL)), default="no", show_default=True,
+              help="Residual variants (forward with a residual, backward with dresidual): no (without), yes (with), "
+                   "both.")
+@click.option("--dtypes", "dtype_names", default="bf16", show_default=True, callback=_csv(_dtype_list),
+              help="Input dtypes (fp32, fp16, bf16), comma-separated. Entries are keyed by element bytes: of "
+                   "fp16 and bf16 the first named is measured, for both.")
+@click.option("--budget", type=click.FloatRange(min=0, min_open=True), metavar="SECONDS",
+              help="Stop after this many seconds, keeping the keys finished (run again to go on).")
+@click.option("--rounds", type=click.IntRange(min=1), default=TUNE_ROUNDS, show_default=True,
+              help="Interleaved timing rounds of each key's finalists; the best median wins.")
+@click.option("--output", type=click.Path(dir_okay=False),
+              help="The table to write (default: this GPU's user table, in $CUNORM_CACHE_DIR or else "
+                   "~/.cache/cunorm, which dispatch reads first).")
+@click.option("--fresh", is_flag=True, help="Measure keys already in the table again (its other entries stay).")
 @click.option("--warps-n", callback=_csv(int),
               help=f"WARPS_N values to try, comma-separated (default: {','.join(map(str, TUNE_SHAPES['warps_n']))}).")
-@click.option("--json", "as_json", is_flag=True, help="Print the best knobs per size as JSON lines (the rest goes to "
-              "stderr).")
-@click.option("--output", type=click.Path(dir_okay=False),
-              help="Append the best knobs per size to this JSON-lines file.")
+@click.option("--json", "as_json", is_flag=True, help="Print each key's result as a JSON object on stdout, as it is "
+              "saved (the rest goes to stderr).")
 @click.pass_context
-def tune(ctx, sizes, dtype, top, direction, rms, warps_n, as_json, output):
-    """Time candidate traits per hidden size and print the fastest (exit 3: no GPU)."""
+def tune(ctx, sizes, ops, residual, dtype_names, budget, rounds, output, fresh, warps_n, as_json):
+    """Measure candidate traits per hidden size, op and dtype on this GPU and save the fastest that pass the
+    float64 check to its tuned table, after every key (a rerun skips the keys done). Exit 1: a key without a
+    passing candidate; 3: no GPU."""
     from . import tune as t
 
+    if not sizes:
+        raise click.BadParameter("give at least one hidden size", param_hint="--sizes")
+    if not dtype_names:
+        raise click.BadParameter("give at least one dtype", param_hint="--dtypes")
     if gpu_missing(ctx.command_path, as_json):
         sys.exit(EXIT_NO_GPU)
-    t.run(sizes, dtype, direction, rms=rms, top=top, warps_n=warps_n, as_json=as_json, output=output,
-          out=sys.stderr if as_json else sys.stdout)
+    summary = t.run(sizes, ops, TUNE_RESIDUAL[residual], dtype_names, output, rounds=rounds, budget=budget,
+                    fresh=fresh, warps_n=warps_n, as_json=as_json, out=sys.stderr if as_json else sys.stdout)
+    sys.exit(EXIT_FAIL if summary["failed"] else 0)
 
 
 if __name__ == "__main__":

@@ -1,27 +1,122 @@
-"""Tuning: time every legal candidate traits for a hidden size and report the
-fastest knobs (what goes into dispatch.TUNED)."""
+"""Tuning: measure candidate traits on this GPU and write the winners into its
+tuned table (cunorm.tables), the table dispatch consults first. The command
+is `cunorm tune` (cunorm/cli.py).
+
+Each key of the table (cunorm.tables.Key: direction, LayerNorm or RMSNorm,
+residual, hidden size, input element bytes, general rows) is measured in
+three steps:
+1. rank: every launch shape (`candidates`), then the extras on the KEEP
+   fastest shapes (`refinements`), each compiled (kernels with local memory,
+   i.e. spills, are dropped) and timed once;
+2. finals: the FINALISTS fastest re-timed in `rounds` interleaved rounds, so
+   that drift hits them alike; the best median wins;
+3. check: the winner runs against the float64 reference with its knobs
+   forced; one that fails gives way to the next finalist.
+The table is saved after every key: a run that stops (--budget, or killed)
+goes on where it stopped when run again.
+"""
 from __future__ import annotations
 
+import dataclasses
+import functools
 import itertools
 import json
+import os
 import sys
+import time
+from pathlib import Path
 
 import numpy as np
 
-from . import dtypes
+from . import dtypes, tables
 from .traits import Traits
-
 
 SHAPES = dict(ctas_per_row=(1, 2, 4, 8), warps_n=(1, 2, 4, 8, 16, 32), warps_m=(1, 2, 4, 8), bytes_per_ldg=(16, 8))
 EXTRAS = dict(stages=(1, 2, 3, 4), min_ctas_per_sm=(1, 2), cache_weights=(True, False),
               smem_accumulators=(False, True), recompute=(True, False))
 SIZES = (1024, 4096, 8192, 16384)  # what `cunorm tune` tunes by default
-DIRECTIONS = {"fwd": (False,), "bwd": (True,), "both": (False, True)}  # backward flags per --direction
+OPS = {"fwd": (False, False), "bwd": (True, False), "rms": (False, True), "rms-bwd": (True, True)}  # (backward, rms)
+RESIDUAL = {"no": (False,), "yes": (True,), "both": (False, True)}  # residual variants per --residual
+REPEAT = 6  # timed batches per measurement (bench.median_ms)
+KEEP = 2  # shapes whose extras are tried
+FINALISTS = 3
+ROUNDS = 5
+CHECK_ELEMENTS = 2**24  # the float64 check's rows (check.DEFAULT_ROWS) are capped at this many elements
+clock = time.monotonic  # the budget's clock
 
 
-def _legal(base: dict, **knobs):
+class OutOfTime(Exception):
+    """The budget ran out while a key was measured: that key is dropped, the finished ones are saved."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    """One key to measure and the call it is measured on: inputs, weights and
+    bias of `dtype`, rows of `n`. A general key holds its aligned neighbour's
+    size (what dispatch looks up), `n` the size asked for."""
+
+    key: tables.Key
+    dtype: str
+    n: int
+
+    @classmethod
+    def of(cls, n: int, dtype: str, backward: bool = False, rms: bool = False, residual: bool = False) -> "Job":
+        from .dispatch import tuned_neighbour
+
+        nbytes = dtypes.itemsize(dtype)
+        general = n % dtypes.vector_elements(nbytes) != 0
+        return cls(tables.Key(backward, rms, residual, tuned_neighbour(n, dtype), nbytes, general), dtype, n)
+
+    def label(self) -> str:
+        k = self.key
+        op = f"{'rms-' if k.rms else ''}{'bwd' if k.backward else 'fwd'}{'+residual' if k.residual else ''}"
+        return f"{op} N={self.n} {self.dtype}"
+
+    def call_fields(self) -> dict:
+        """The dispatch fields of the timed call (contiguous rows), as the op derives them."""
+        from .check import Case, case_call
+
+        op = f"{'rms_norm' if self.key.rms else 'layer_norm'}{'_backward' if self.key.backward else ''}"
+        return case_call(Case(op, self.n, 1, self.dtype, self.dtype, has_bias=not self.key.rms,
+                              residual_dtype=self.dtype if self.key.residual else None))
+
+    def workload(self):
+        """The timed call, a bench.Case on M*N = bench.ELEMENTS: `call(traits=knobs)` runs it with knobs forced."""
+        from . import bench
+
+        op = f"{'rms_norm' if self.key.rms else 'layer_norm'}{'+residual' if self.key.residual else ''}"
+        return next(bench.norm_cases((self.n,), self.dtype, ops=(op,),
+                                     directions=("bwd" if self.key.backward else "fwd",)))
+
+
+def plan(sizes=SIZES, ops=tuple(OPS), residuals=(False,), dtype_names=("bfloat16",)) -> tuple:
+    """(jobs, notes): a Job per distinct key, and a note for each request that
+    shares another's key: dtypes of one element size (the first named is
+    measured) and general sizes beside one aligned neighbour (the first)."""
+    measured, notes = {}, []
+    for name in dtype_names:
+        first = measured.setdefault(dtypes.itemsize(name), name)
+        if first != name:
+            notes.append(f"{name} shares {first}'s entries ({dtypes.itemsize(name)}-byte inputs): measured as {first}")
+    jobs, first_size = {}, {}
+    for dtype in measured.values():
+        for n in sizes:
+            for (backward, rms), residual in itertools.product((OPS[o] for o in ops), residuals):
+                job = Job.of(n, dtype, backward, rms, residual)
+                jobs.setdefault(job.key, job)
+            key = Job.of(n, dtype).key
+            first = first_size.setdefault((key.n, key.general, dtype), n)
+            if first != n:
+                notes.append(f"N={n} shares N={first}'s entries ({dtype}: the general rows beside N={key.n})")
+    return list(jobs.values()), notes
+
+
+def _legal(call: dict, arch: int, **knobs) -> Traits | None:
+    from .dispatch import from_knobs
+
     try:
-        t = Traits(**base, **knobs)
+        t = from_knobs(knobs, **call)
+        t.check_arch(arch)
     except ValueError:
         return None
     # Skip shapes that leave most of a CTA idle or hold too few elements per thread.
@@ -30,144 +125,302 @@ def _legal(base: dict, **knobs):
     return t
 
 
-def candidates(hidden_size: int, dtype: str, backward: bool, arch: int = 90, rms: bool = False):
-    """Phase 1: launch shapes (CTAs per row, warps, load width) with default
-    extras, for contiguous rows: the general kernel where the load width does
+def candidates(hidden_size: int, dtype: str, backward: bool, arch: int = 90, rms: bool = False,
+               residual: bool = False, warps_n=None) -> list:
+    """Phase 1: launch shapes (CTAs per row, warps, load width; `warps_n`
+    replaces SHAPES' WARPS_N values) with default extras, as the op builds
+    them for contiguous rows: the general kernel where the load width does
     not divide N."""
-    base = dict(hidden_size=hidden_size, input_dtype=dtype, weight_dtype=dtype, output_dtype=dtype,
-                backward=backward, rms=rms, has_bias=not rms)
+    job = Job.of(hidden_size, dtype, backward, rms, residual)
+    call = job.call_fields()
     out = []
-    for ctas, wn, wm, bpl in itertools.product(*SHAPES.values()):
-        if ctas > 1 and (wm > 1 or arch < 90):
+    for ctas, wn, wm, bpl in itertools.product(SHAPES["ctas_per_row"], warps_n or SHAPES["warps_n"],
+                                               SHAPES["warps_m"], SHAPES["bytes_per_ldg"]):
+        if ctas > 1 and wm > 1:
             continue
-        aligned = hidden_size % (bpl // dtypes.itemsize(dtype)) == 0
-        t = _legal(base, ctas_per_row=ctas, warps_n=wn, warps_m=wm, bytes_per_ldg=bpl, aligned_rows=aligned)
-        if t is not None:
+        t = _legal(call, arch, ctas_per_row=ctas, warps_n=wn, warps_m=wm, bytes_per_ldg=bpl)
+        # A general key serves calls dispatch runs on the general kernel: a load width dividing N runs the
+        # aligned one, whose knobs dispatch would not take for them.
+        if t is not None and not (job.key.general and t.aligned_rows):
             out.append(t)
     return out
 
 
-def refinements(shape: Traits):
-    """Phase 2: the extras (stages, register cap, weight caching, shared-memory sums) on one shape."""
-    out = []
+def _extras(backward: bool):
+    """The extras' combinations (EXTRAS order) worth trying in a direction."""
     for stages, min_ctas, cache, smem_acc, recompute in itertools.product(*EXTRAS.values()):
-        if (smem_acc or not recompute) and not shape.backward:
-            continue
+        if backward or not (smem_acc or not recompute):  # both knobs only change the backward
+            yield stages, min_ctas, cache, smem_acc, recompute
+
+
+def refinements(shape: Traits, arch: int = 90) -> list:
+    """Phase 1, on a fast shape: the extras (stages, register cap, weight caching, shared-memory sums)."""
+    out = []
+    for values in _extras(shape.backward):
         try:
-            t = shape.replace(stages=stages, min_ctas_per_sm=min_ctas, cache_weights=cache,
-                              smem_accumulators=smem_acc, recompute=recompute)
+            t = shape.replace(**dict(zip(EXTRAS, values)))
+            t.check_arch(arch)
         except ValueError:
             continue
-        if 65536 // (min_ctas * t.threads_per_cta) >= 64:  # a cap below 64 registers only spills
+        if 65536 // (t.min_ctas_per_sm * t.threads_per_cta) >= 64:  # a cap below 64 registers only spills
             out.append(t)
     return out
 
 
-def _usable(traits: Traits, device_id: int) -> bool:
-    """Compiles (CuPy caches it) and rejects kernels that spill or cannot launch."""
+def compiles_clean(traits: Traits, device_id: int) -> bool:
+    """Whether `traits` compile (CuPy caches them) to kernels without local
+    memory: a kernel that spills or keeps a stack frame is never a candidate
+    (dispatch would replace it, `plan._plan`)."""
     from .compiler import kernels_for
 
     try:
         kernels = kernels_for(traits, device_id)
-    except Exception:
+    except Exception:  # fails to compile or load: not a candidate
         return False
-    return all(k.function.local_size_bytes == 0 for k in kernels.values())
+    return not any(k.local_bytes for k in kernels.values())
 
 
-def _time_all(traits_list, fn_for, repeat, out, label: str):
-    """[(ms, traits)] for the usable candidates, compiled in parallel first."""
+def _check_time(deadline: float | None):
+    if deadline is not None and clock() >= deadline:
+        raise OutOfTime
+
+
+def _time_all(traits_list, case, device_id: int, tick, echo, deadline=None) -> list:
+    """[(ms, traits)] fastest first for the candidates that compile clean
+    (compiled in parallel first), each timed once; `tick(1)` per candidate."""
     from concurrent.futures import ThreadPoolExecutor
 
-    import cupy
+    from . import bench
 
-    from .bench import median_ms, progress
-
-    dev = cupy.cuda.Device().id
-    usable = []
-    compiling = progress(len(traits_list), f"{label}: compiling", out)
-    with ThreadPoolExecutor(max_workers=16) as pool, compiling as (bar, _):
-        for ok in pool.map(lambda t: _usable(t, dev), traits_list):
-            usable.append(ok)
-            bar.update(1)
+    with ThreadPoolExecutor(max_workers=16) as pool:
+        clean = list(pool.map(lambda t: compiles_clean(t, device_id), traits_list))
     timed = []
-    with progress(sum(usable), f"{label}: timing", out) as (bar, echo):
-        for t, ok in zip(traits_list, usable):
-            if not ok:
-                continue
+    for t, ok in zip(traits_list, clean):
+        _check_time(deadline)
+        if ok:
             try:
-                timed.append((median_ms(fn_for(t), repeat=repeat, warmup=2, batch=5), t))
+                timed.append((bench.median_ms(functools.partial(case.call, traits=t.knobs()), repeat=REPEAT,
+                                              warmup=2, batch=5), t))
             except Exception as e:  # a candidate that fails to launch is reported, not fatal
                 echo(f"  {t.short()}: {type(e).__name__}: {str(e).splitlines()[0]}")
-            bar.update(1)
+        tick(1)
     timed.sort(key=lambda p: p[0])
     return timed
 
 
-def tune(hidden_size: int, dtype: str = "bfloat16", backward: bool = False, elements: int = 2**26,
-         repeat: int = 6, keep: int = 2, rms: bool = False, out=sys.stdout) -> list:
-    """[(ms, traits)] sorted fastest first: every shape, then the extras on the `keep` fastest shapes."""
+def rank(shapes, case, device_id: int, arch: int, tick, echo, deadline=None, keep: int = KEEP) -> list:
+    """[(ms, traits)] fastest first: every shape, then the extras on the `keep` fastest."""
+    ranked = _time_all(shapes, case, device_id, tick, echo, deadline)
+    seen = {t for _, t in ranked}
+    extras = [t for _, shape in ranked[:keep] for t in refinements(shape, arch) if t not in seen]
+    return sorted(ranked + _time_all(extras, case, device_id, tick, echo, deadline), key=lambda p: p[0])
+
+
+def _steps(shapes: list, backward: bool, keep: int, finalists: int, rounds: int) -> int:
+    """Progress steps of a key, at most: shapes, extras, final rounds and checks."""
+    return len(shapes) + keep * len(list(_extras(backward))) + finalists * (rounds + 1)
+
+
+def current_gpu() -> tuple:
+    """(device id, architecture, tables.GPU) of CuPy's current device: what is measured, and whose table it fills."""
     import cupy
 
+    from .compiler import device_arch, device_gpu
+
+    device_id = cupy.cuda.Device().id
+    return device_id, device_arch(device_id), device_gpu(device_id)
+
+
+def tune(hidden_size: int, dtype: str = "bfloat16", backward: bool = False, keep: int = KEEP, rms: bool = False,
+         residual: bool = False, warps_n=None, out=sys.stdout) -> list:
+    """[(ms, traits)] sorted fastest first: every shape timed once, then the
+    extras on the `keep` fastest shapes (the ranking step of `cunorm tune`;
+    nothing is written)."""
+    from .bench import progress
+
+    device_id, arch, _ = current_gpu()
+    job = Job.of(hidden_size, dtype, backward, rms, residual)
+    shapes = candidates(hidden_size, dtype, backward, arch, rms, residual, warps_n)
+    with progress(_steps(shapes, backward, keep, 0, 0), f"tuning {job.label()}", out) as (bar, echo):
+        return rank(shapes, job.workload(), device_id, arch, bar.update, echo, keep=keep)
+
+
+def final_rounds(ranked: list, case, rounds: int, tick, deadline=None, finalists: int = FINALISTS) -> list:
+    """[(times, traits)] of the `finalists` fastest of `ranked`, each timed
+    once a round, the rounds interleaved so that drift hits them alike;
+    best median first."""
+    from . import bench
+
+    times = {t: [] for _, t in ranked[:finalists]}
+    for _ in range(rounds):
+        for t, ms in times.items():
+            _check_time(deadline)
+            ms.append(bench.median_ms(functools.partial(case.call, traits=t.knobs()), repeat=REPEAT, warmup=2,
+                                      batch=5))
+            tick(1)
+    return sorted(((ms, t) for t, ms in times.items()), key=lambda p: float(np.median(p[0])))
+
+
+def check_knobs(job: Job, knobs: dict, seed: int = 0, asarray=None) -> list:
+    """What fails the float64 check when the job's op runs with `knobs`
+    forced: a line per output beyond check.TOLERANCE (empty: it passes).
+    check.run_case checks dispatch's own choice; this feeds inputs of the
+    same kind (rows offset from zero, allocations poisoned with NaN) through
+    `traits=` and compares with cunorm.reference, at the checker's row counts.
+    `asarray` moves the host-drawn inputs to the op: cupy.asarray by default;
+    numpy.asarray runs the op's numpy path."""
+    from . import reference
+    from .check import DEFAULT_ROWS, TOLERANCE, poisoned_allocations, rel_l2
     from .norm import layer_norm, layer_norm_backward, rms_norm, rms_norm_backward
 
-    m = max(1, elements // hidden_size)
-    dt = dtypes.numpy_dtype(dtype)
-    x = cupy.random.standard_normal((m, hidden_size), dtype=np.float32).astype(dt)
-    w = cupy.random.standard_normal(hidden_size, dtype=np.float32).astype(dt)
-    _, mean, rstd = layer_norm(x, w, w, return_stats=True)
-    dy = cupy.random.standard_normal((m, hidden_size), dtype=np.float32).astype(dt) if backward else None
+    if asarray is None:
+        import cupy
 
-    def fn_for(t):
-        knobs = t.knobs()
-        if rms:
-            if backward:
-                return lambda: rms_norm_backward(dy, x, rstd, w, traits=knobs)
-            return lambda: rms_norm(x, w, return_stats=True, traits=knobs)
-        if backward:
-            return lambda: layer_norm_backward(dy, x, mean, rstd, w, traits=knobs)
-        return lambda: layer_norm(x, w, w, return_stats=True, traits=knobs)
+        asarray = cupy.asarray
+    k, n, eps = job.key, job.n, 1e-5
+    gen = np.random.default_rng(seed)
 
-    label = f"{'rms-' if rms else ''}{'bwd' if backward else 'fwd'} N={hidden_size}"
-    shapes = _time_all(candidates(hidden_size, dtype, backward, rms=rms), fn_for, repeat, out, f"{label} shapes")
-    refined = [t for _, shape in shapes[:keep] for t in refinements(shape)]
-    return sorted(shapes + _time_all(refined, fn_for, repeat, out, f"{label} extras"), key=lambda p: p[0])
+    def draw(*shape, scale=1.0, shift=0.0):
+        return asarray((gen.standard_normal(shape, dtype=np.float32) * scale + shift).astype(
+            dtypes.numpy_dtype(job.dtype)))
+
+    failures = []
+    for m in sorted({min(r, max(1, CHECK_ELEMENTS // n)) for r in DEFAULT_ROWS}):
+        # Rows far from zero mean, so that a one-pass variance would show.
+        x = draw(m, n, shift=gen.uniform(1, 3, (m, 1)).astype(np.float32))
+        w, b = draw(n, scale=0.5, shift=1.0), None if k.rms else draw(n, scale=0.5)
+        res = draw(m, n) if k.residual else None
+        scales = {}
+        if k.backward:
+            dy = draw(m, n)
+            stats = reference.rms_norm(x, w, eps)[1:] if k.rms else reference.layer_norm(x, w, None, eps)[1:]
+            fp32 = [asarray(s.astype(np.float32)) for s in stats]
+            with poisoned_allocations():
+                got = (rms_norm_backward(dy, x, *fp32, w, dresidual=res, traits=knobs) if k.rms else
+                       layer_norm_backward(dy, x, *fp32, w, dresidual=res, traits=knobs))
+            refs = (reference.rms_norm_backward(dy, x, *stats, w, dresidual=res) if k.rms else
+                    reference.layer_norm_backward(dy, x, *stats, w, dresidual=res))
+            names = ("dx", "dweight", "dbias")
+            # dx is a difference of terms of size |rstd * dy * w|: judged against them, as the checker does.
+            terms = dy.astype(np.float64) * w.astype(np.float64) * stats[-1][:, None]
+            scales["dx"] = float((terms * terms).sum() ** 0.5)
+        else:
+            h = reference.add_residual(x, res)
+            with poisoned_allocations():
+                got = (rms_norm(x, w, eps, residual=res, return_stats=True, traits=knobs) if k.rms else
+                       layer_norm(x, w, b, eps, residual=res, return_stats=True, traits=knobs))
+            y, *stats = reference.rms_norm(h, w, eps) if k.rms else reference.layer_norm(h, w, b, eps)
+            refs = (y, *([h] if k.residual else []), *stats)
+            names = ("y", *(["residual_out"] if k.residual else []), *(["rstd"] if k.rms else ["mean", "rstd"]))
+        for name, value, ref in zip(names, got, refs):
+            tol = TOLERANCE["float32" if name in ("mean", "rstd") else job.dtype]
+            error = rel_l2(value, ref, scales.get(name, 0.0))
+            if not error <= tol:  # NaN fails too
+                failures.append(f"{name} at {m} rows: rel-L2 {error:.1e} > {tol:.0e}")
+    return failures
 
 
-def run(sizes=SIZES, dtype: str = "bfloat16", direction: str = "both", rms: bool = False, top: int = 3,
-        warps_n=None, as_json: bool = False, output: str | None = None, out=sys.stdout):
-    """Tunes every size in `direction` ("fwd", "bwd" or "both"): the `top`
-    candidates of each as TUNE lines to `out`; the best knobs of each as a
-    JSON line, printed to stdout (`as_json`) and appended to the file `output`.
-    `warps_n`: the WARPS_N values to try (replaces SHAPES' for this process)."""
-    from .bench import copy_bandwidth
+def measure(job: Job, shapes: list, device_id: int, arch: int, copy: float, rounds: int, tick, echo,
+            deadline=None, finalists: int = FINALISTS) -> dict | None:
+    """A key's entry: the knobs of the finalist with the best median that
+    passes the float64 check, with its median ms and fraction of `copy`
+    (bytes/s of a copy), and the fraction's spread [min, max] over the
+    rounds; None when no finalist passes."""
+    case = job.workload()
+    ranked = rank(shapes, case, device_id, arch, tick, echo, deadline)
+    for times, t in final_rounds(ranked, case, rounds, tick, deadline, finalists):
+        failures = check_knobs(job, t.knobs())
+        tick(1)
+        if failures:
+            echo(f"  {t.short()}: fails the float64 check ({'; '.join(failures)}): the next finalist instead")
+            continue
+        fractions = [case.nbytes / (ms * 1e-3) / copy for ms in times]
+        return {"knobs": t.knobs(), "ms": float(np.median(times)), "fraction_of_copy": float(np.median(fractions)),
+                "spread": [min(fractions), max(fractions)], "dtype": job.dtype, "measured_n": job.n}
+    return None
 
-    if warps_n:
-        SHAPES["warps_n"] = tuple(warps_n)
-    copy = copy_bandwidth()
-    e = dtypes.itemsize(dtype)
-    for n in sizes:
-        for backward in DIRECTIONS[direction]:
-            m = 2**26 // n
-            nbytes = (3 if backward else 2) * m * n * e + 8 * m
-            ranked = tune(n, dtype, backward, rms=rms, out=out)
-            if ranked and (as_json or output):
-                ms, best = ranked[0]
-                general = n % dtypes.vector_elements(e) != 0  # contiguous rows of N: the general kernel
-                line = json.dumps({"backward": backward, "rms": rms, "general": general, "n": n,
-                                   "dtype": dtype, "ms": ms, "fraction_of_copy": nbytes / (ms * 1e-3) / copy,
-                                   "knobs": list(best.knobs().values())})
-                if as_json:
-                    print(line, flush=True)
-                if output:
-                    with open(output, "a") as f:
-                        f.write(line + "\n")
-            for ms, t in ranked[:top]:
-                frac = nbytes / (ms * 1e-3) / copy
-                print(f"TUNE {'rms-' if rms else ''}{'bwd' if backward else 'fwd'} N={n} {dtype} {frac:.3f} of copy "
-                      f"{ms:.4f} ms "
-                      f"knobs={tuple(int(v) for v in t.knobs().values())} "
-                      f"ldgs={t.ldgs}",
-                      file=out, flush=True)
+
+def open_table(path: Path, gpu) -> tables.Table:
+    """The table at `path` to add to, or a new one where there is none. One
+    that cannot be used here (unreadable, malformed, another GPU or cunorm
+    version) is moved aside to PATH.bak, with one warning."""
+    if not path.exists():
+        return tables.new_table(gpu)
+    try:
+        return tables.read(path, gpu, f"user table {path}")
+    except tables.TableError as e:
+        backup = path.with_name(path.name + ".bak")
+        os.replace(path, backup)  # moved, not copied: dispatch would warn about it again meanwhile
+        print(f"cunorm tune: warning: {path} cannot be used ({e}); starting a new table (the old file is now "
+              f"{backup})", file=sys.stderr)
+        return tables.new_table(gpu)
+
+
+def _tune_line(job: Job, record: dict) -> str:
+    """A key's result, its knobs spelled as `cunorm bench --traits` takes them."""
+    knobs = ",".join(f"{k}={int(v)}" for k, v in record["knobs"].items())
+    lo, hi = record["spread"]
+    return (f"TUNE {job.label()}: {record['fraction_of_copy']:.3f} [{lo:.3f}, {hi:.3f}] of copy, "
+            f"{record['ms']:.4f} ms, {knobs}")
+
+
+def run(sizes=SIZES, ops=tuple(OPS), residuals=(False,), dtype_names=("bfloat16",), output=None,
+        rounds: int = ROUNDS, budget: float | None = None, fresh: bool = False, warps_n=None,
+        as_json: bool = False, out=sys.stdout) -> dict:
+    """Measures every key of `sizes` x `ops` (OPS names) x `residuals` x
+    `dtype_names` on the current GPU and saves each, once measured, to the
+    table at `output` (default: this GPU's user table, which dispatch
+    reads). Keys already there are skipped unless `fresh`. `budget`:
+    seconds, after which the run stops and drops the key being measured.
+    Per key, a TUNE line to `out` and with `as_json` a JSON object on stdout.
+    Returns the path, the entries saved and the keys skipped, failed (no
+    finalist passed the check) and left (the budget ran out)."""
+    from . import bench
+
+    deadline = None if budget is None else clock() + budget
+    device_id, arch, gpu = current_gpu()
+    path = Path(output) if output else tables.user_path(gpu)
+    table = open_table(path, gpu)
+    jobs, notes = plan(sizes, ops, residuals, dtype_names)
+    for note in notes:
+        print(note, file=out)
+    todo = [j for j in jobs if fresh or j.key not in table.entries]
+    summary = {"table": str(path), "tuned": [], "skipped": [j.label() for j in jobs if j not in todo], "failed": [],
+               "left": []}
+    if summary["skipped"]:
+        print(f"{len(summary['skipped'])} of {len(jobs)} keys already in {path}: skipped (--fresh measures them "
+              f"again)", file=out)
+    shapes = {j: candidates(j.n, j.dtype, j.key.backward, arch, j.key.rms, j.key.residual, warps_n) for j in todo}
+    steps = {j: _steps(shapes[j], j.key.backward, KEEP, FINALISTS, rounds) for j in todo}
+    copy = bench.copy_bandwidth() if todo else 0.0
+    with bench.progress(sum(steps.values()), f"tuning {len(todo)} keys", out) as (bar, echo):
+        for i, job in enumerate(todo):
+            bar.label = f"tuning {job.label()} (key {i + 1} of {len(todo)})"
+            end = bar.pos + steps[job]
+            try:
+                _check_time(deadline)
+                entry = measure(job, shapes[job], device_id, arch, copy, rounds, bar.update, echo, deadline)
+            except OutOfTime:
+                summary["left"] = [j.label() for j in todo[i:]]
+                break
+            bar.update(end - bar.pos)  # the steps a key did not need (extras, finalists) at most
+            if entry is None:
+                summary["failed"].append(job.label())
+                echo(f"TUNE {job.label()}: no finalist passed the float64 check; nothing saved")
+                continue
+            table.put(job.key, entry["knobs"], **{k: v for k, v in entry.items() if k != "knobs"})
+            tables.save(table, path)
+            record = {**dataclasses.asdict(job.key), **entry, "table": str(path)}
+            summary["tuned"].append(record)
+            echo(_tune_line(job, record))
+            if as_json:
+                print(json.dumps(record), flush=True)
+    print(f"{len(summary['tuned'])} keys tuned into {path}; {len(summary['skipped'])} skipped, "
+          f"{len(summary['failed'])} failed", file=out)
+    if summary["left"]:
+        print(f"budget of {budget:g} s spent: {len(summary['left'])} keys left, from {summary['left'][0]} (run "
+              f"again to go on)", file=out)
+    return summary
 
 
 if __name__ == "__main__":

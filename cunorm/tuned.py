@@ -1,5 +1,6 @@
-"""The tuned dispatch table: knobs measured fastest per (direction, hidden size,
-input element bytes) by scripts/tune_table.sh, written by scripts/tuned_literal.py.
+"""The sm_90 tuned table: knobs measured fastest per (direction, hidden size,
+input element bytes), from before per-GPU tables (cunorm.tables), which dispatch
+consults first; new measurements go into those (`cunorm tune`, scripts/tune_table.sh).
 
 (backward, hidden size, input element bytes) -> knobs in cunorm.traits.KNOBS order:
 (WARPS_M, WARPS_N, CTAS_PER_ROW, BYTES_PER_LDG, STAGES, CACHE_WEIGHTS, MIN_CTAS_PER_SM, SMEM_ACCUMULATORS

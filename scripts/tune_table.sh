@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# Tunes every size of the dispatch table on a GPU (bf16, which fp16 shares:
-# the table is keyed by element size) and writes $OUT/tune.jsonl; paste the
-# result into cunorm/dispatch.py's TUNED with scripts/tuned_literal.py.
+# Tunes every size of the dispatch table on this GPU, LayerNorm and RMSNorm, forward and backward, with and
+# without a residual, 2- and 4-byte inputs, and writes the table to $OUT/table.json (also this GPU's user
+# table, which dispatch reads first). To ship it for this GPU model: copy it to
+# cunorm/shipped_tables/tuned-<GPU slug>.json (the name `cunorm list` shows in its first line).
+# Resumable: run it again after an interruption; BUDGET=SECONDS stops it cleanly.
 set -u -o pipefail
 OUT=${OUT:-$PWD/gpu-results}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 sizes=$(python3 -c "from cunorm import dispatch; print(','.join(map(str, dispatch.TUNED_SIZES)))")
-python3 -m cunorm.tune --sizes "${SIZES:-$sizes}" --dtype "${DTYPE:-bfloat16}" --top 1 --output "$OUT/tune.jsonl" \
-  2>&1 | tee "$OUT/tune.txt" | grep TUNE
+python3 -m cunorm.tune --sizes "${SIZES:-$sizes}" --ops fwd,bwd,rms,rms-bwd --residual both --dtypes bf16,fp32 \
+  ${BUDGET:+--budget "$BUDGET"} --output "$OUT/table.json" --json 2> "$OUT/tune.txt" | tee "$OUT/tune.jsonl"

@@ -1,20 +1,18 @@
-"""Tier A: `cunorm bench` and `cunorm tune` without a GPU: their options,
-kernel variants (--traits, --source) timed on a stand-in GPU whose calls
-report their own time, and the bandwidth plot (cunorm.plot)."""
+"""Tier A: `cunorm bench` without a GPU: its options, kernel variants
+(--traits, --source) timed on a stand-in GPU whose calls report their own
+time, and the bandwidth plot (cunorm.plot). `cunorm tune`: test_tune.py."""
 import json
 import sys
-from types import SimpleNamespace
 
 import pytest
 from click.testing import CliRunner
 
-from cunorm import bench, cli, plot, tune
+from cunorm import bench, cli, plot
 from cunorm.source import _read
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 BENCH_OPTIONS = ("--sizes", "--head-dims", "--dtype", "--weight-dtype", "--repeat", "--no-extras", "--host", "--graph",
                  "--source", "--traits", "--rounds", "--plot", "--from-json", "--json", "--output")
-TUNE_OPTIONS = ("--sizes", "--dtype", "--top", "--direction", "--rms", "--warps-n", "--json", "--output")
 
 
 def runner() -> CliRunner:
@@ -25,11 +23,10 @@ def runner() -> CliRunner:
         return CliRunner()
 
 
-@pytest.mark.parametrize("verb,options", [("bench", BENCH_OPTIONS), ("tune", TUNE_OPTIONS)])
-def test_help_lists_every_option(verb, options):
-    res = runner().invoke(cli.main, [verb, "--help"])
+def test_help_lists_every_option():
+    res = runner().invoke(cli.main, ["bench", "--help"])
     assert res.exit_code == 0, res.output
-    assert [o for o in options if o not in res.stdout] == []
+    assert [o for o in BENCH_OPTIONS if o not in res.stdout] == []
 
 
 @pytest.mark.parametrize("value,says", [("warps_x=4", "unknown knob 'warps_x'"), ("warps_n", "expected knob=value"),
@@ -45,16 +42,14 @@ def test_traits_refuses_unknown_knobs_and_malformed_values(value, says, monkeypa
 @pytest.mark.parametrize("args", [["bench", "--host", "--graph"], ["bench", "--host", "--traits", "warps_n=4"],
                                   ["bench", "--graph", "--source", __file__], ["bench", "--from-json", __file__],
                                   ["bench", "--plot", "bandwidth.pdf"], ["bench", "--host", "--plot", "bandwidth.png"],
-                                  ["bench", "--sizes", "0"], ["tune", "--sizes", "1024,0"],
-                                  ["tune", "--direction", "sideways"]])
+                                  ["bench", "--sizes", "0"]])
 def test_what_does_not_combine_or_parse_is_a_usage_error(args, monkeypatch):
     monkeypatch.setattr(cli, "gpu_count", lambda: 0)
     res = runner().invoke(cli.main, args)
     assert res.exit_code == 2, res.output
 
 
-@pytest.mark.parametrize("args", [["bench", "--traits", "warps_n=4,stages=3"], ["bench", "--plot", "bandwidth.png"],
-                                  ["tune", "--direction", "fwd", "--warps-n", "4,8"]])
+@pytest.mark.parametrize("args", [["bench", "--traits", "warps_n=4,stages=3"], ["bench", "--plot", "bandwidth.png"]])
 def test_new_options_without_gpu_exit_3_with_json(args, monkeypatch):
     monkeypatch.setattr(cli, "gpu_count", lambda: 0)
     res = runner().invoke(cli.main, [*args, "--json"])
@@ -139,46 +134,6 @@ def test_variants_pass_the_shipped_file_beside_an_edited_one():
     plain = bench.variants_of(traits={"warps_n=4": {"warps_n": 4}})
     assert plain == {"tuned": {}, "warps_n=4": {"traits": {"warps_n": 4}}}
     assert bench.served_directions(edited) == ("bwd",)
-
-
-def test_tune_json_lines_alone_on_stdout(monkeypatch):
-    calls = []
-
-    def fake_tune(n, dtype, backward, rms=False, out=sys.stdout):
-        calls.append((n, backward, rms))
-        print(f"  candidate for N={n}", file=out)
-        return [(1.0, tune.candidates(n, dtype, backward, rms=rms)[0])]
-
-    monkeypatch.setattr(cli, "gpu_count", lambda: 1)
-    monkeypatch.setattr(bench, "copy_bandwidth", lambda: 2e12)
-    monkeypatch.setattr(tune, "tune", fake_tune)
-    res = runner().invoke(cli.main, ["tune", "--sizes", "1024,4096", "--direction", "fwd", "--rms", "--json"])
-    assert res.exit_code == 0, res.output
-    assert calls == [(1024, False, True), (4096, False, True)]
-    lines = [json.loads(line) for line in res.stdout.splitlines()]
-    assert [(r["n"], r["backward"], r["rms"]) for r in lines] == calls
-    assert "TUNE rms-fwd N=1024" in res.stderr and "candidate for N=4096" in res.stderr
-
-
-def test_tune_shows_progress_on_stderr_and_reports_failures(monkeypatch, capsys):
-    import cupy
-
-    monkeypatch.setattr(cupy.cuda, "Device", lambda: SimpleNamespace(id=0))
-    monkeypatch.setattr(tune, "_usable", lambda t, dev: t.warps_n != 2)  # warps_n=2 spills, say
-    monkeypatch.setattr(bench, "median_ms", lambda fn, **kwargs: fn())
-
-    def fn_for(t):
-        if t.warps_n == 16:
-            return lambda: (_ for _ in ()).throw(RuntimeError("too many resources requested for launch"))
-        return lambda: 1.0 / t.warps_n
-
-    candidates = tune.candidates(4096, "bfloat16", False)
-    timed = tune._time_all(candidates, fn_for, 3, sys.stderr, "fwd N=4096")
-    assert {t.warps_n for _, t in timed} == {t.warps_n for t in candidates} - {2, 16}
-    assert [ms for ms, _ in timed] == sorted(ms for ms, _ in timed)
-    out, err = capsys.readouterr()
-    assert out == "" and "fwd N=4096: compiling" in err and "fwd N=4096: timing" in err
-    assert "RuntimeError: too many resources requested for launch" in err
 
 
 # Results as bench returns or writes them: the bandwidth table, a compare and --graph.

@@ -1,0 +1,390 @@
+"""`cunorm tune` and cunorm.tune: tier A on a stand-in GPU whose calls report
+their own time (and advance a stand-in clock), whose compiles report local
+memory for planted knobs and whose float64 check fails for planted knobs;
+the real code paths run around them. Tier C (marked gpu) runs a small tune."""
+import json
+import math
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from cunorm import bench, check, cli, compiler, dispatch, tables, tune
+from cunorm.compiler import CompileError, Kernel
+
+TUNE_OPTIONS = ("--sizes", "--ops", "--residual", "--dtypes", "--budget", "--rounds", "--output", "--fresh",
+                "--warps-n", "--json")
+GPU = tables.GPU("Stand-in GPU", 90, 132)
+NBYTES, COPY = 10**9, 2e12  # the stand-in's bytes per call and copy bandwidth
+
+
+def runner() -> CliRunner:
+    """A runner whose result.stdout is stdout alone (click 8.1 mixes stderr in unless told not to)."""
+    try:
+        return CliRunner(mix_stderr=False)
+    except TypeError:  # click 8.2+: always apart
+        return CliRunner()
+
+
+def fake_ms(knobs: dict) -> float:
+    """The stand-in's milliseconds per call: fastest at WARPS_N=4, WARPS_M=2, one CTA a row, 16-byte loads
+    and 3 stages, every knob weighing a little, so that candidates rarely tie."""
+    return (1.0 + 0.1 * abs(math.log2(knobs["warps_n"]) - 2) + 0.05 * math.log2(knobs["ctas_per_row"])
+            + 0.03 * abs(math.log2(knobs["warps_m"]) - 1) + 0.01 * (knobs["bytes_per_ldg"] != 16)
+            + 0.003 * abs(knobs["stages"] - 3) + 0.0005 * knobs["stages"] + 0.001 * knobs["min_ctas_per_sm"]
+            + 0.0003 * (not knobs["cache_weights"]) + 0.0001 * knobs["smem_accumulators"]
+            + 0.00003 * (not knobs["recompute"]))
+
+
+def frozen(knobs: dict) -> tuple:
+    return tuple(sorted(knobs.items()))
+
+
+def op_of(key: tables.Key) -> str:
+    """The name bench.norm_cases gives the call a key is timed on."""
+    return (f"{'rms_norm' if key.rms else 'layer_norm'}{'+residual' if key.residual else ''} "
+            f"{'bwd' if key.backward else 'fwd'}")
+
+
+class StandIn:
+    """The stand-in GPU's state: the clock (a second per timed call), every timed call (op, N, dtype, knobs),
+    every check (knobs), the planted knobs that spill or fail the check, and a size whose arrays are never
+    made (the device is lost there)."""
+
+    def __init__(self):
+        self.now = 0.0
+        self.timed, self.checked = [], []
+        self.spills = set()
+        self.fails = lambda knobs: False
+        self.lost_at = None
+
+    def norm_cases(self, sizes, dtype, weight_dtype=None, ops=bench.PLAIN_OPS, directions=bench.DIRECTIONS,
+                   native=False):
+        for n in sizes:
+            if n == self.lost_at:
+                raise RuntimeError("the device is lost")
+            for op in ops:
+                for direction in directions:
+                    def call(op=f"{op} {direction}", n=n, traits=None):
+                        self.now += 1.0
+                        self.timed.append((op, n, dtype, frozen(traits)))
+                        return fake_ms(traits)
+                    yield bench.Case(f"{op} {direction}", n, NBYTES, call)
+
+    def kernels_for(self, traits, device_id, source=None):
+        local = 64 if frozen(traits.knobs()) in self.spills else 0
+        return {"norm": Kernel(None, traits.threads_per_cta, 0, 1, GPU.sms, traits.ctas_per_row, GPU.sms, local)}
+
+    def check_knobs(self, job, knobs):
+        self.checked.append(frozen(knobs))
+        return ["dx at 37 rows: rel-L2 1.0e-01 > 8e-03"] if self.fails(knobs) else []
+
+    def timed_knobs(self, key: tables.Key, n: int, dtype: str) -> list:
+        """The distinct knobs timed for a key, fastest first."""
+        found = {k for op, m, d, k in self.timed if (op, m, d) == (op_of(key), n, dtype)}
+        return sorted(found, key=lambda k: (fake_ms(dict(k)), k))
+
+
+@pytest.fixture
+def gpu(monkeypatch, tmp_path):
+    """The stand-in GPU, its user table under tmp_path (CUNORM_CACHE_DIR)."""
+    stand_in = StandIn()
+    monkeypatch.setenv(tables.ENV_DIR, str(tmp_path / "cache"))
+    monkeypatch.setattr(cli, "gpu_count", lambda: 1)
+    monkeypatch.setattr(tune, "current_gpu", lambda: (0, 90, GPU))
+    monkeypatch.setattr(tune, "clock", lambda: stand_in.now)
+    monkeypatch.setattr(tune, "check_knobs", stand_in.check_knobs)
+    monkeypatch.setattr(compiler, "kernels_for", stand_in.kernels_for)
+    monkeypatch.setattr(compiler, "cuda_version", lambda: 12080)
+    monkeypatch.setattr(bench, "copy_bandwidth", lambda: COPY)
+    monkeypatch.setattr(bench, "median_ms", lambda fn, *args, **kwargs: fn())
+    monkeypatch.setattr(bench, "norm_cases", stand_in.norm_cases)
+    tables.forget()
+    yield stand_in
+    tables.forget()
+
+
+def run_tune(*args):
+    return runner().invoke(cli.main, ["tune", *args])
+
+
+def saved(path=None) -> tables.Table:
+    return tables.read(path or tables.user_path(GPU), GPU, "test")
+
+
+# -- options ---------------------------------------------------------------------------------------------------
+
+def test_help_lists_every_option_and_where_the_table_goes():
+    res = run_tune("--help")
+    assert res.exit_code == 0, res.output
+    assert [o for o in TUNE_OPTIONS if o not in res.stdout] == []
+    assert "CUNORM_CACHE_DIR" in res.stdout
+
+
+@pytest.mark.parametrize("args", [["--sizes", "1024,0"], ["--sizes", ""], ["--ops", "fwd,sideways"],
+                                  ["--residual", "maybe"], ["--dtypes", "fp8"], ["--dtypes", ""],
+                                  ["--rounds", "0"], ["--budget", "0"], ["--warps-n", "four"]])
+def test_what_does_not_parse_is_a_usage_error(args, monkeypatch):
+    monkeypatch.setattr(cli, "gpu_count", lambda: 0)  # refused as usage (2) before the GPU is looked for (3)
+    res = run_tune(*args)
+    assert res.exit_code == 2, res.output
+
+
+def test_without_gpu_exit_3_with_json(monkeypatch):
+    monkeypatch.setattr(cli, "gpu_count", lambda: 0)
+    res = run_tune("--ops", "rms", "--residual", "both", "--budget", "60", "--json")
+    assert res.exit_code == cli.EXIT_NO_GPU
+    assert json.loads(res.stdout) == {"error": "no CUDA GPU found", "exit": cli.EXIT_NO_GPU}
+
+
+def test_ops_are_comma_separated_or_repeated(gpu):
+    res = run_tune("--sizes", "1024", "--ops", "rms-bwd,fwd", "--ops", "fwd", "--json")
+    assert res.exit_code == 0, res.output
+    assert [(r["backward"], r["rms"]) for r in map(json.loads, res.stdout.splitlines())] == [(True, True),
+                                                                                            (False, False)]
+
+
+# -- keys ------------------------------------------------------------------------------------------------------
+
+def test_plan_one_job_per_key_and_says_what_shares_one():
+    jobs, notes = tune.plan((1024, 4100, 4097), ("fwd",), (False, True), ("bfloat16", "float16", "float32"))
+    keys = {(j.key.residual, j.key.n, j.key.input_bytes, j.key.general): (j.dtype, j.n) for j in jobs}
+    assert keys == {(r, 1024, 2, False): ("bfloat16", 1024) for r in (False, True)} | {
+        (r, 4096, 2, True): ("bfloat16", 4100) for r in (False, True)} | {  # 4097 shares 4100's general key
+        (r, 1024, 4, False): ("float32", 1024) for r in (False, True)} | {
+        (r, 4100, 4, False): ("float32", 4100) for r in (False, True)} | {  # whole 16-byte vectors of fp32
+        (r, 4096, 4, True): ("float32", 4097) for r in (False, True)}
+    assert len(jobs) == len(keys) and all(not j.key.backward and not j.key.rms for j in jobs)
+    assert notes == ["float16 shares bfloat16's entries (2-byte inputs): measured as bfloat16",
+                     "N=4097 shares N=4100's entries (bfloat16: the general rows beside N=4096)"]
+
+
+def test_candidates_are_the_kernels_dispatch_would_run_for_the_key():
+    general = tune.candidates(4100, "bfloat16", False, residual=True)
+    aligned = tune.candidates(4096, "bfloat16", False)
+    assert general and all(not t.aligned_rows and t.has_residual for t in general)
+    assert {t.bytes_per_ldg for t in aligned} == {8, 16} and all(t.aligned_rows for t in aligned)
+    assert {t.warps_n for t in tune.candidates(4096, "bfloat16", True, warps_n=(3, 4))} == {3, 4}
+    before_clusters = tune.candidates(16384, "bfloat16", False, arch=80)
+    assert before_clusters and not any(t.ctas_per_row > 1 for t in before_clusters)
+
+
+# -- a run -----------------------------------------------------------------------------------------------------
+
+def test_a_run_writes_the_table_dispatch_reads(gpu):
+    res = run_tune("--sizes", "1024,4100", "--ops", "fwd,rms-bwd", "--residual", "both", "--dtypes", "bf16,fp32",
+                   "--rounds", "3")
+    assert res.exit_code == 0, res.output
+    jobs, _ = tune.plan((1024, 4100), ("fwd", "rms-bwd"), (False, True), ("bfloat16", "float32"))
+    table = saved()
+    assert set(table.entries) == {j.key for j in jobs} and len(jobs) == 16
+    assert tables.Key(False, False, True, 4096, 2, True) in table.entries  # bf16 4100: the general rows' entry
+    for job in jobs:
+        entry = table.entries[job.key]
+        fastest = gpu.timed_knobs(job.key, job.n, job.dtype)[0]
+        assert frozen(entry["knobs"]) == fastest
+        assert entry["ms"] == pytest.approx(fake_ms(entry["knobs"]))
+        assert entry["fraction_of_copy"] == pytest.approx(NBYTES / (entry["ms"] * 1e-3) / COPY)
+        assert entry["spread"][0] <= entry["fraction_of_copy"] <= entry["spread"][1]
+        assert (entry["dtype"], entry["measured_n"]) == (job.dtype, job.n)
+        traits, origin = dispatch.choose(arch=90, gpu=GPU, **job.call_fields())
+        assert origin.startswith("user table") and traits.knobs() == entry["knobs"], job.label()
+    assert res.stdout.count("TUNE ") == 16 and "16 keys tuned into" in res.stdout
+
+
+def test_a_rerun_skips_finished_keys_and_fresh_measures_them_again(gpu):
+    assert run_tune("--sizes", "1024", "--ops", "fwd").exit_code == 0
+    first = len(gpu.timed)
+    gpu.timed.clear()
+    res = run_tune("--sizes", "1024,4096", "--ops", "fwd")
+    assert res.exit_code == 0 and "1 of 2 keys already in" in res.stdout
+    assert gpu.timed and {n for _, n, _, _ in gpu.timed} == {4096}
+    second, before = len(gpu.timed), tables.user_path(GPU).read_text()
+    gpu.timed.clear()
+    res = run_tune("--sizes", "1024,4096", "--ops", "fwd")
+    assert res.exit_code == 0 and gpu.timed == [] and tables.user_path(GPU).read_text() == before
+    res = run_tune("--sizes", "1024,4096", "--ops", "fwd", "--fresh")
+    assert res.exit_code == 0 and len(gpu.timed) == first + second
+    gpu.timed.clear()
+    res = run_tune("--sizes", "4096", "--ops", "bwd", "--fresh")  # other entries stay
+    assert res.exit_code == 0 and {k.n for k in saved().entries} == {1024, 4096} and len(saved().entries) == 3
+
+
+def test_the_budget_stops_the_run_and_the_table_holds_the_finished_keys(gpu, tmp_path):
+    assert run_tune("--sizes", "1024", "--ops", "fwd", "--output", str(tmp_path / "alone.json")).exit_code == 0
+    one_key = gpu.now  # seconds (calls) the first key takes
+    gpu.now, budget = 0.0, one_key + 5
+    gpu.timed.clear()
+    res = run_tune("--sizes", "1024,4096,8192", "--ops", "fwd", "--budget", f"{budget:g}", "--json")
+    assert res.exit_code == 0, res.output
+    assert [k.n for k in saved().entries] == [1024]
+    assert [json.loads(line)["n"] for line in res.stdout.splitlines()] == [1024]
+    assert gpu.now <= budget + 1 and {n for _, n, _, _ in gpu.timed} == {1024, 4096}  # stopped inside 4096
+    assert f"budget of {budget:g} s spent: 2 keys left, from fwd N=4096" in res.stderr
+    gpu.timed.clear()
+    assert run_tune("--sizes", "1024,4096,8192", "--ops", "fwd").exit_code == 0
+    assert {k.n for k in saved().entries} == {1024, 4096, 8192} and 1024 not in {n for _, n, _, _ in gpu.timed}
+
+
+def test_a_run_cut_short_keeps_the_keys_it_finished(gpu):
+    gpu.lost_at = 4096
+    res = run_tune("--sizes", "1024,4096", "--ops", "fwd")
+    assert res.exit_code != 0 and "the device is lost" in str(res.exception)
+    assert [k.n for k in saved().entries] == [1024]
+
+
+def test_a_winner_that_spills_is_never_timed_or_saved(gpu):
+    assert run_tune("--sizes", "4096", "--ops", "bwd").exit_code == 0
+    key = tune.Job.of(4096, "bfloat16", backward=True).key
+    fastest = frozen(saved().entries[key]["knobs"])
+    gpu.spills.add(fastest)
+    gpu.timed.clear()
+    assert run_tune("--sizes", "4096", "--ops", "bwd", "--fresh").exit_code == 0
+    ranked = gpu.timed_knobs(key, 4096, "bfloat16")
+    assert fastest not in ranked and frozen(saved().entries[key]["knobs"]) == ranked[0] != fastest
+
+
+def test_a_winner_failing_the_check_gives_way_to_the_next_finalist(gpu):
+    key = tune.Job.of(4096, "bfloat16").key
+    fastest = {}
+    gpu.fails = lambda knobs: not fastest or frozen(knobs) == fastest["knobs"]
+    res = run_tune("--sizes", "4096", "--ops", "fwd")  # every check fails: nothing is saved
+    assert res.exit_code == cli.EXIT_FAIL and "no finalist passed" in res.stdout
+    assert not tables.user_path(GPU).exists() and len(gpu.checked) == tune.FINALISTS
+    ranked = gpu.timed_knobs(key, 4096, "bfloat16")
+    fastest["knobs"] = ranked[0]
+    gpu.checked.clear()
+    res = run_tune("--sizes", "4096", "--ops", "fwd")
+    assert res.exit_code == 0, res.output
+    assert gpu.checked == ranked[:2] and frozen(saved().entries[key]["knobs"]) == ranked[1]
+    assert "fails the float64 check (dx at 37 rows" in res.stdout
+
+
+def test_json_one_object_per_key_on_stdout_progress_on_stderr(gpu):
+    res = run_tune("--sizes", "1024,4096", "--ops", "fwd,bwd", "--json")
+    assert res.exit_code == 0, res.output
+    lines = [json.loads(line) for line in res.stdout.splitlines()]
+    path = str(tables.user_path(GPU))
+    assert len(lines) == 4 and {r["table"] for r in lines} == {path}
+    assert all(set(r) == {"backward", "rms", "residual", "n", "input_bytes", "general", "knobs", "ms",
+                          "fraction_of_copy", "spread", "dtype", "measured_n", "table"} for r in lines)
+    entries = saved().entries
+    for r in lines:
+        key = tables.Key(**{k: r[k] for k in ("backward", "rms", "residual", "n", "input_bytes", "general")})
+        assert entries[key]["knobs"] == r["knobs"] and entries[key]["ms"] == r["ms"]
+    assert "tuning fwd N=1024 bfloat16 (key 1 of 4)" in res.stderr and res.stderr.count("TUNE ") == 4
+    assert "tuning" not in res.stdout and "TUNE" not in res.stdout
+
+
+def other_version() -> str:
+    table = tables.new_table(GPU)
+    table.cunorm = "0.0.1"
+    table.put(tune.Job.of(1024, "bfloat16").key, {"warps_n": 8})
+    return table.to_json()
+
+
+@pytest.mark.parametrize("old", ["{not json", lambda: other_version(),
+                                 lambda: tables.new_table(tables.GPU("Other GPU", 80, 108)).to_json()])
+def test_an_unusable_table_warns_once_and_is_kept_beside(old, gpu):
+    old = old() if callable(old) else old
+    path = tables.user_path(GPU)
+    path.parent.mkdir(parents=True)
+    path.write_text(old)
+    res = run_tune("--sizes", "1024,4096", "--ops", "fwd")
+    assert res.exit_code == 0, res.output
+    assert res.stderr.count("warning") == 1 and f"{path} cannot be used" in res.stderr
+    assert path.with_name(path.name + ".bak").read_text() == old
+    assert {k.n for k in saved().entries} == {1024, 4096}
+    assert len(gpu.timed) > 0
+
+
+# -- the pieces --------------------------------------------------------------------------------------------------
+
+def test_tune_ranks_every_shape_then_the_extras_of_the_fastest(gpu, capsys):
+    ranked = tune.tune(1024, "bfloat16", backward=True)  # what examples/tour.ipynb calls
+    assert [ms for ms, _ in ranked] == sorted(ms for ms, _ in ranked) and len(ranked) == len(gpu.timed)
+    assert all(ms == fake_ms(t.knobs()) for ms, t in ranked)
+    shapes = tune.candidates(1024, "bfloat16", True)
+    assert set(shapes) < {t for _, t in ranked} and any(t.stages != 2 for _, t in ranked)
+    assert len({t for _, t in ranked}) == len(ranked)  # each measured once
+    out, err = capsys.readouterr()
+    assert out == "" and "tuning bwd N=1024 bfloat16" in err
+
+
+def test_candidates_that_fail_to_compile_or_launch_are_reported_not_timed(gpu, monkeypatch):
+    def kernels_for(traits, device_id, source=None):
+        if traits.warps_n == 2:
+            raise CompileError("planted")
+        return gpu.kernels_for(traits, device_id)
+
+    def call(traits=None):
+        if traits["warps_n"] == 16:
+            raise RuntimeError("too many resources requested for launch")
+        return 1.0 / traits["warps_n"]
+
+    monkeypatch.setattr(compiler, "kernels_for", kernels_for)
+    candidates, echoed, ticks = tune.candidates(4096, "bfloat16", False), [], []
+    timed = tune._time_all(candidates, SimpleNamespace(call=call), 0, ticks.append, echoed.append)
+    assert {t.warps_n for _, t in timed} == {t.warps_n for t in candidates} - {2, 16}
+    assert [ms for ms, _ in timed] == sorted(ms for ms, _ in timed) and sum(ticks) == len(candidates)
+    assert echoed and all("RuntimeError: too many resources requested for launch" in line for line in echoed)
+
+
+def host_rel_l2(out, ref, scale: float = 0.0) -> float:
+    """check.rel_l2 on the host, for the numpy path."""
+    out, ref = np.asarray(out, dtype=np.float64), np.asarray(ref, dtype=np.float64)
+    if out.shape != ref.shape or not np.isfinite(out).all():
+        return float("inf")
+    return float(np.linalg.norm(out - ref)) / (max(float(np.linalg.norm(ref)), scale) or 1.0)
+
+
+# Per (op, residual): the output the planted op gets wrong, by its place in what the op returns, and its name.
+WRONG_OUTPUT = {("fwd", False): (0, "y"), ("fwd", True): (1, "residual_out"), ("rms", False): (1, "rstd"),
+                ("rms", True): (2, "rstd"), ("bwd", False): (2, "dbias"), ("bwd", True): (0, "dx"),
+                ("rms-bwd", False): (1, "dweight"), ("rms-bwd", True): (0, "dx")}
+
+
+@pytest.mark.parametrize("op,residual", list(WRONG_OUTPUT))
+def test_check_knobs_compares_every_output_with_the_reference(op, residual, monkeypatch):
+    """On the numpy path the op is the reference, so a correct op passes; an op with one output off by 5%
+    fails on that output alone."""
+    import cunorm.norm
+
+    monkeypatch.setattr(check, "rel_l2", host_rel_l2)
+    job = tune.Job.of(1000, "bfloat16", *tune.OPS[op], residual)
+    assert tune.check_knobs(job, {"warps_n": 4}, asarray=np.asarray) == []
+    name = f"{'rms_norm' if job.key.rms else 'layer_norm'}{'_backward' if job.key.backward else ''}"
+    right, (index, output) = getattr(cunorm.norm, name), WRONG_OUTPUT[op, residual]
+
+    def wrong(*args, **kwargs):
+        return tuple(v * 1.05 if i == index else v for i, v in enumerate(right(*args, **kwargs)))
+
+    monkeypatch.setattr(cunorm.norm, name, wrong)
+    failures = tune.check_knobs(job, {"warps_n": 4}, asarray=np.asarray)
+    assert failures and all(f.startswith(f"{output} at ") for f in failures), failures
+
+
+# -- tier C ------------------------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", list(tune.OPS))
+def test_check_knobs_passes_dispatchs_knobs_on_the_gpu(op):
+    job = tune.Job.of(4097, "bfloat16", *tune.OPS[op], residual=True)
+    traits, _ = dispatch.choose(arch=compiler.device_arch(0), tuned=False, **job.call_fields())
+    assert tune.check_knobs(job, traits.knobs()) == []
+
+
+@pytest.mark.gpu
+def test_a_small_tune_on_the_gpu_fills_the_table_dispatch_reads(tmp_path, monkeypatch):
+    monkeypatch.setenv(tables.ENV_DIR, str(tmp_path))
+    res = runner().invoke(cli.main, ["tune", "--sizes", "1024", "--ops", "rms", "--rounds", "2", "--json"])
+    assert res.exit_code == 0, res.output
+    (line,) = [json.loads(line) for line in res.stdout.splitlines()]
+    gpu = compiler.device_gpu(0)
+    table = tables.read(line["table"], gpu, "test")
+    job = tune.Job.of(1024, "bfloat16", rms=True)
+    assert table.entries[job.key]["knobs"] == line["knobs"] and 0 < line["fraction_of_copy"] < 1.5
+    traits, origin = dispatch.choose(arch=compiler.device_arch(0), gpu=gpu, **job.call_fields())
+    assert origin.startswith("user table") and traits.knobs() == line["knobs"]
+    tables.forget()

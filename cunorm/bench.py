@@ -21,6 +21,16 @@ ELEMENTS = 2**26
 NORM_OPS = ("layer_norm", "rms_norm", "layer_norm+residual", "rms_norm+residual")
 PLAIN_OPS = ("layer_norm", "rms_norm")
 DIRECTIONS = ("fwd", "bwd")
+# `cunorm bench --ops` names: the (op, direction) each stands for; "delta" is attention_delta.
+OP_CHOICES = {"fwd": ("layer_norm", "fwd"), "bwd": ("layer_norm", "bwd"), "rms": ("rms_norm", "fwd"),
+              "rms-bwd": ("rms_norm", "bwd")}
+OP_CHOICES.update({f"{name}+residual": (f"{op}+residual", d) for name, (op, d) in list(OP_CHOICES.items())})
+BENCH_OPS = (*OP_CHOICES, "delta")
+
+
+def op_pairs(ops=None) -> set:
+    """The (op, direction) pairs `ops` (names of BENCH_OPS; None: all) stand for."""
+    return {OP_CHOICES[name] for name in (ops or OP_CHOICES) if name in OP_CHOICES}
 
 
 class Case(NamedTuple):
@@ -97,7 +107,7 @@ def copy_bandwidth(nbytes: int = 2**30) -> float:
 
 
 def norm_cases(sizes=BENCH_SIZES, dtype: str = "bfloat16", weight_dtype: str | None = None, ops=NORM_OPS,
-               layout="", as_array=None, directions=DIRECTIONS, native: bool = False):
+               layout="", as_array=None, directions=DIRECTIONS, native: bool = False, only: set | None = None):
     """Yields a Case for each op's forward and backward (those in
     `directions`) at M*N = ELEMENTS, the arrays of one size made when its
     first case is drawn. A "+residual" op adds a residual (dresidual in the
@@ -107,7 +117,7 @@ def norm_cases(sizes=BENCH_SIZES, dtype: str = "bfloat16", weight_dtype: str | N
     are not counted. `as_array` converts each CuPy array made (e.g.
     torch.from_dlpack: the calls then take torch tensors). `native`: give each
     case torch's own op where torch is importable and has it (contiguous rows,
-    no residual)."""
+    no residual). `only`: the (op, direction) pairs to yield (None: all)."""
     import cupy
 
     dt = dtypes.numpy_dtype(dtype)
@@ -128,6 +138,9 @@ def norm_cases(sizes=BENCH_SIZES, dtype: str = "bfloat16", weight_dtype: str | N
         b = conv(cupy.random.standard_normal(n, dtype=np.float32).astype(wdt))
         e = dt.itemsize
         for op in ops:
+            wanted = [d for d in directions if only is None or (op, d) in only]
+            if not wanted:
+                continue
             rms = op.startswith("rms")
             res = rows_of(m, n) if op.endswith("+residual") else None
             fwd, bwd, saved = _norm_calls(rms, x, w, b, dy, res, outs)
@@ -141,7 +154,7 @@ def norm_cases(sizes=BENCH_SIZES, dtype: str = "bfloat16", weight_dtype: str | N
             nbytes = {"fwd": (2 + (res is not None) * 2) * m * n * e + stats,
                       "bwd": (3 + (res is not None)) * m * n * e + stats}
             for direction, call in (("fwd", fwd), ("bwd", bwd)):
-                if direction in directions:
+                if direction in wanted:
                     yield Case(f"{name} {direction}", n, nbytes[direction], call, natives.get(direction))
 
 
@@ -255,9 +268,10 @@ def _shipped_of(source: str) -> str:
 
 
 def compare(sizes, variants: dict, dtype: str = "bfloat16", weight_dtype: str | None = None, rounds: int = 5,
-            repeat: int = 10, directions=DIRECTIONS, out=sys.stdout) -> dict:
-    """Kernel variants timed side by side on LayerNorm and RMSNorm at `sizes`.
-    `variants`: {label: keyword arguments for the op} (see `variants_of`), the
+            repeat: int = 10, directions=DIRECTIONS, out=sys.stdout, ops=("fwd", "bwd", "rms", "rms-bwd")) -> dict:
+    """Kernel variants timed side by side at `sizes` on `ops` (names of
+    BENCH_OPS; by default LayerNorm and RMSNorm, forward and backward, without
+    a residual) in `directions`. `variants`: {label: keyword arguments for the op} (see `variants_of`), the
     first the baseline; torch's own op joins them where torch is importable.
     Each case runs `rounds` rounds, each timing every variant in turn, so that
     drift hits them alike; per variant, the fraction of a same-run copy as
@@ -272,8 +286,9 @@ def compare(sizes, variants: dict, dtype: str = "bfloat16", weight_dtype: str | 
     print(f"# {results['gpu']}: copy {copy / 1e9:.0f} GB/s; {', '.join(variants)} (and torch where importable), "
           f"{rounds} interleaved rounds; fraction of copy: median [min, max]", file=out)
     print(f"{'op':<16} {'N':>6}  {'variant':<26} {'of copy [min, max]':<22} {'us/call':>9}  verdict", file=out)
-    cases = norm_cases(sizes, dtype, weight_dtype, PLAIN_OPS, directions=directions, native=True)
-    with progress(len(sizes) * len(PLAIN_OPS) * len(directions) * rounds, "timing variants", out) as (bar, echo):
+    pairs = {(op, d) for op, d in op_pairs(ops) if d in directions}
+    cases = norm_cases(sizes, dtype, weight_dtype, NORM_OPS, directions=directions, native=True, only=pairs)
+    with progress(len(sizes) * len(pairs) * rounds, "timing variants", out) as (bar, echo):
         for case in cases:
             fns, skipped = {}, {}
             for label, kwargs in variants.items():
@@ -340,20 +355,23 @@ def _compared_lines(row: dict):
 
 
 def run(sizes=BENCH_SIZES, dtype="bfloat16", weight_dtype=None, repeat=20, out=sys.stdout,
-        head_dims=DELTA_HEAD_DIMS, extras=True) -> dict:
+        head_dims=DELTA_HEAD_DIMS, extras=True, ops=None) -> dict:
     """The bandwidth table: every op at `sizes` (and, with `extras`, strided
-    rows and odd sizes), attention_delta at `head_dims`."""
+    rows and odd sizes), attention_delta at `head_dims`; `ops` (names of
+    BENCH_OPS; None: all) picks the ops and directions."""
+    pairs = op_pairs(ops)
+    head_dims = head_dims if ops is None or "delta" in ops else ()
     copy = copy_bandwidth()
     results = {"gpu": gpu_name(), "copy_gbps": copy / 1e9, "dtype": dtype,
                "weight_dtype": weight_dtype or dtype, "elements": ELEMENTS, "rows": []}
     print(f"# {results['gpu']}: device-to-device copy {copy / 1e9:.0f} GB/s (read + write)", file=out)
     print(f"{'op':<36} {'N or K':>6} {'ms':>8} {'GB/s':>7} {'of copy':>7}", file=out)
-    cases = [norm_cases(sizes, dtype, weight_dtype)]
-    count = len(sizes) * len(NORM_OPS) * len(DIRECTIONS) + len(head_dims)
+    cases = [norm_cases(sizes, dtype, weight_dtype, only=pairs)]
+    count = len(sizes) * len(pairs) + len(head_dims)
     if extras:
-        cases += [norm_cases(STRIDED[0], dtype, weight_dtype, PLAIN_OPS, STRIDED[1]),
-                  norm_cases(ODD_SIZES, dtype, weight_dtype, PLAIN_OPS)]
-        count += (len(STRIDED[0]) + len(ODD_SIZES)) * len(PLAIN_OPS) * len(DIRECTIONS)
+        cases += [norm_cases(STRIDED[0], dtype, weight_dtype, PLAIN_OPS, STRIDED[1], only=pairs),
+                  norm_cases(ODD_SIZES, dtype, weight_dtype, PLAIN_OPS, only=pairs)]
+        count += (len(STRIDED[0]) + len(ODD_SIZES)) * sum(op in PLAIN_OPS for op, _ in pairs)
     with progress(count, "benchmarking", out) as (bar, echo):
         for case in itertools.chain(*cases, delta_cases(head_dims, dtype)):
             ms = median_ms(case.call, repeat)

@@ -62,10 +62,13 @@ def test_new_options_without_gpu_exit_3_with_json(args, monkeypatch):
 TUNED_MS, FAST_MS, TORCH_MS = 1.0, 0.5, 2.0
 
 
-def fake_norm_cases(sizes, dtype, weight_dtype=None, ops=bench.PLAIN_OPS, directions=bench.DIRECTIONS, native=False):
+def fake_norm_cases(sizes, dtype, weight_dtype=None, ops=bench.PLAIN_OPS, directions=bench.DIRECTIONS, native=False,
+                    only=None):
     for n in sizes:
         for op in ops:
             for direction in directions:
+                if only is not None and (op, direction) not in only:
+                    continue
                 def call(n=n, traits=None, source=None):
                     if traits and traits.get("warps_n") == 64 and n < 4096:
                         raise ValueError(f"illegal traits N={n} WARPS_N=64: planted")
@@ -198,3 +201,19 @@ def test_without_matplotlib_the_install_hint(tmp_path, monkeypatch):
     for args in (["--from-json", str(saved)], []):  # a sweep is refused before it starts, GPU or not
         res = runner().invoke(cli.main, ["bench", *args, "--plot", str(png)])
         assert res.exit_code == 1 and 'pip install "cunorm[plot]"' in res.output and not png.exists()
+
+
+def test_ops_pick_the_ops_and_directions_timed(stand_in_gpu):
+    res = runner().invoke(cli.main, ["bench", "--traits", "warps_n=8", "--ops", "rms-bwd", "--ops", "fwd+residual",
+                                     "--sizes", "4096", "--rounds", "1", "--json"])
+    assert res.exit_code == 0, res.output
+    assert [r["op"] for r in json.loads(res.stdout)["rows"]] == ["rms_norm bwd", "layer_norm+residual fwd"]
+    res = runner().invoke(cli.main, ["bench", "--ops", "fwd,layer_norm"])
+    assert res.exit_code == 2 and "--ops" in res.output and "'layer_norm'" in res.output
+    res = runner().invoke(cli.main, ["bench", "--ops", "fwd", "--host"])
+    assert res.exit_code == 2 and "--ops" in res.output
+
+
+def test_op_pairs_cover_every_name():
+    assert bench.op_pairs(["bwd+residual", "delta"]) == {("layer_norm+residual", "bwd")}
+    assert len(bench.op_pairs()) == 8 and {op for op, _ in bench.op_pairs()} == set(bench.NORM_OPS)

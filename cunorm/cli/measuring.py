@@ -8,7 +8,7 @@ import click
 
 import cunorm.cli as cli
 
-from ..bench import BENCH_SIZES, DELTA_HEAD_DIMS
+from ..bench import BENCH_OPS, BENCH_SIZES, DELTA_HEAD_DIMS
 from ..tune import (OPS as TUNE_OPS, RESIDUAL as TUNE_RESIDUAL, ROUNDS as TUNE_ROUNDS, SHAPES as TUNE_SHAPES,
                     SIZES as TUNE_SIZES)
 
@@ -55,6 +55,18 @@ def _traits_variants(ctx, param, values) -> dict:
     return variants
 
 
+def _op_names(choices, default=None):
+    """An --ops callback: "fwd,bwd" --ops rms (comma-separated, repeatable) as names of `choices`, in order, once
+    each; none given: `default` (None: all of them)."""
+    def parse(ctx, param, values) -> tuple:
+        names = [v.strip() for value in values for v in value.split(",") if v.strip()]
+        unknown = [n for n in names if n not in choices]
+        if unknown:
+            raise click.BadParameter(f"unknown op {unknown[0]!r}; expected some of {', '.join(choices)}")
+        return tuple(dict.fromkeys(names)) or (tuple(choices) if default is None else default)
+    return parse
+
+
 def _plot(results: dict, path: str):
     from ..plot import plot_bandwidth
 
@@ -70,6 +82,9 @@ def _plot(results: dict, path: str):
               help="Hidden sizes, comma-separated ('' for none).")
 @click.option("--head-dims", default=",".join(map(str, DELTA_HEAD_DIMS)), show_default=True, callback=cli._csv(int),
               help="attention_delta head dims, comma-separated ('' for none).")
+@click.option("--ops", multiple=True, callback=_op_names(BENCH_OPS, default=()), metavar="OP[,OP...]",
+              help=f"Ops to time: {', '.join(BENCH_OPS)} (comma-separated or repeatable; default: all, or with "
+                   f"--source and --traits fwd, bwd, rms, rms-bwd).")
 @click.option("--dtype", default="bfloat16", show_default=True, callback=_dtype, help="Activations' dtype.")
 @click.option("--weight-dtype", default=None, callback=_dtype, help="Weights' dtype (default: the activations').")
 @click.option("--repeat", type=click.IntRange(min=1), default=20, show_default=True, help="Timed batches per case.")
@@ -93,7 +108,7 @@ def _plot(results: dict, path: str):
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON (the table goes to stderr).")
 @click.option("--output", type=click.Path(dir_okay=False), help="Also write the results as JSON to this file.")
 @click.pass_context
-def bench(ctx, sizes, head_dims, dtype, weight_dtype, repeat, no_extras, host, graph, source_file, traits, rounds,
+def bench(ctx, sizes, head_dims, ops, dtype, weight_dtype, repeat, no_extras, host, graph, source_file, traits, rounds,
           plot_file, from_json, as_json, output):
     """Bandwidth (fraction of a same-run copy) and per-call time; --source and --traits time kernel variants
     beside the shipped ones (exit 3: no GPU)."""
@@ -103,6 +118,10 @@ def bench(ctx, sizes, head_dims, dtype, weight_dtype, repeat, no_extras, host, g
         raise click.UsageError("--host and --graph are separate modes: give one")
     if (source_file or traits) and (host or graph):
         raise click.UsageError("--source and --traits time variants in the bandwidth sweep, not with --host or --graph")
+    if ops and (host or graph):
+        raise click.UsageError("--ops picks the bandwidth sweep's ops, not --host's or --graph's")
+    if ops == ("delta",) and (source_file or traits):
+        raise click.UsageError("--source and --traits vary the norm kernels: give a norm op in --ops")
     if plot_file:  # refused before the sweep, not after it
         from ..plot import figure_class
 
@@ -138,13 +157,15 @@ def bench(ctx, sizes, head_dims, dtype, weight_dtype, repeat, no_extras, host, g
     out = sys.stderr if as_json else sys.stdout
     if source is not None or traits:
         results = b.compare(sizes, b.variants_of(source, traits), dtype, weight_dtype, rounds=rounds,
-                            repeat=max(repeat // 2, 5), directions=directions or b.DIRECTIONS, out=out)
+                            repeat=max(repeat // 2, 5), directions=directions or b.DIRECTIONS, out=out,
+                            **({"ops": ops} if ops else {}))
     elif host:
         results = b.run_host(dtype=dtype, repeat=max(repeat // 3, 5), out=out)
     elif graph:
         results = b.run_graph(dtype=dtype, out=out)
     else:
-        results = b.run(sizes, dtype, weight_dtype, repeat, out=out, head_dims=head_dims, extras=not no_extras)
+        results = b.run(sizes, dtype, weight_dtype, repeat, out=out, head_dims=head_dims, extras=not no_extras,
+                        ops=ops or None)
     if as_json:
         click.echo(json.dumps(results, indent=1))
     if output:
@@ -154,20 +175,11 @@ def bench(ctx, sizes, head_dims, dtype, weight_dtype, repeat, no_extras, host, g
         _plot(results, plot_file)
 
 
-def _tune_ops(ctx, param, values) -> tuple:
-    """--ops "fwd,bwd" --ops rms (comma-separated, repeatable) as OP names in order, once each; none: all."""
-    names = [v.strip() for value in values for v in value.split(",") if v.strip()]
-    unknown = [n for n in names if n not in TUNE_OPS]
-    if unknown:
-        raise click.BadParameter(f"unknown op {unknown[0]!r}; expected some of {', '.join(TUNE_OPS)}")
-    return tuple(dict.fromkeys(names)) or tuple(TUNE_OPS)
-
-
 @cli.main.command()
 @click.option("--sizes", default=",".join(map(str, TUNE_SIZES)), show_default=True, callback=_hidden_sizes,
               help="Hidden sizes to tune, comma-separated. A size that is not whole 16-byte vectors fills the "
                    "entry for the general rows beside its aligned neighbour.")
-@click.option("--ops", multiple=True, callback=_tune_ops, metavar="OP[,OP...]",
+@click.option("--ops", multiple=True, callback=_op_names(TUNE_OPS), metavar="OP[,OP...]",
               help=f"Ops to tune: {', '.join(TUNE_OPS)} (LayerNorm and RMSNorm, forward and backward; "
                    f"comma-separated or repeatable; default all four).")
 @click.option("--residual", type=click.Choice(list(TUNE_RESIDUAL)), default="no", show_default=True,

@@ -1,7 +1,7 @@
 """Bandwidth benchmark: each op as a fraction of a device-to-device copy
 measured in the same run (bytes read + written, minimal counts), and kernel
 variants (an edited kernel file, forced traits) against the shipped kernels in
-interleaved rounds. The command is `cunorm bench` (cunorm/cli.py)."""
+interleaved rounds. The command is `cunorm bench` (cunorm/cli/measuring.py)."""
 from __future__ import annotations
 
 import contextlib

@@ -446,13 +446,14 @@ def _given_out(case: Case, dtype: str):
     return row_tensor(None, m, n, dtype, case.out_layout, cupy.full((m, n), np.nan, dtype=np.float32))
 
 
-def case_kernels(cases, arch: int, spills=None):
+def case_kernels(cases, arch: int, spills=None, gpu=None):
     """(traits, origin) of every distinct kernel the cases run on `arch`, in
     order; a ValueError (origin "unsupported") stands in for a case with no
     legal traits there. attention_delta cases count both its aligned and its
     narrowest (offset view) kernels. `spills(traits)`, when given, says
     whether traits compile with spills: a tuned entry that does is replaced by
-    the heuristic's pick, as the GPU path replaces it (`plan._plan`)."""
+    the heuristic's pick, as the GPU path replaces it (`plan._plan`). `gpu`
+    (cunorm.tables.GPU): the GPU model whose tuned tables the calls consult."""
     from .attention_delta import heuristic as delta_heuristic
 
     seen = set()
@@ -463,7 +464,7 @@ def case_kernels(cases, arch: int, spills=None):
         else:
             try:
                 call = case_call(case)
-                found = [dispatch.choose(arch=arch, **call)]
+                found = [dispatch.choose(arch=arch, gpu=gpu, **call)]
             except ValueError as e:
                 yield e, "unsupported"
                 continue
@@ -498,10 +499,10 @@ def precompile(cases, device_id: int | None = None, workers: int = 16, source: s
 
     import cupy
 
-    from .compiler import device_arch, kernels_for
+    from .compiler import device_arch, device_gpu, kernels_for
 
     dev = cupy.cuda.Device().id if device_id is None else device_id
-    wanted = [t for t, source in case_kernels(cases, device_arch(dev)) if source != "unsupported"]
+    wanted = [t for t, source in case_kernels(cases, device_arch(dev), gpu=device_gpu(dev)) if source != "unsupported"]
 
     def build(t):
         with cupy.cuda.Device(dev):

@@ -25,7 +25,7 @@ import re
 import warnings
 from pathlib import Path
 
-from .traits import KNOBS
+from .traits import KNOB_DEFAULTS, KNOBS
 
 FORMAT = 1
 ENV_DIR = "CUNORM_CACHE_DIR"
@@ -107,15 +107,29 @@ class Table:
             entries = {}
             for e in raw["entries"]:
                 key = Key(**{k: e[k] for k in _KEY_FIELDS if k in e})
-                knobs = e["knobs"]
-                if not isinstance(knobs, dict) or set(knobs) - set(KNOBS):
-                    raise TableError(f"entry {key}: knobs must be a mapping of {', '.join(KNOBS)}")
+                _check_types(key, e["knobs"])
                 entries[key] = {k: v for k, v in e.items() if k not in _KEY_FIELDS}
             return cls(gpu, str(raw["cunorm"]), int(raw["cuda"]), entries, origin)
         except TableError:
             raise
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise TableError(f"malformed table ({type(e).__name__}: {e})") from None
+
+
+def _check_types(key: Key, knobs) -> None:
+    """TableError unless the key's fields and the knobs have their types (a string or a float there would
+    never match, or fail deep inside dispatch)."""
+    def check(what: str, value, flag: bool):
+        if (type(value) is not bool) if flag else (type(value) is not int or value < 0):
+            raise TableError(f"entry {key}: {what} must be {'true or false' if flag else 'a whole number'}, "
+                             f"got {value!r}")
+
+    for f in dataclasses.fields(Key):
+        check(f.name, getattr(key, f.name), f.type == "bool")
+    if not isinstance(knobs, dict) or set(knobs) - set(KNOBS):
+        raise TableError(f"entry {key}: knobs must be a mapping of {', '.join(KNOBS)}")
+    for name, value in knobs.items():
+        check(f"knob {name}", value, isinstance(KNOB_DEFAULTS[name], bool))
 
 
 def user_dir() -> Path:
@@ -137,7 +151,7 @@ def new_table(gpu: GPU) -> Table:
 
 def save(table: Table, path: Path | None = None) -> Path:
     """Writes `table` (atomically: a reader never sees half a file) to `path`, by default the user's table for
-    its GPU, and makes dispatch read it from now on."""
+    its GPU (the one dispatch reads), and drops the tables and choices cached so far."""
     path = Path(path or user_path(table.gpu))
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".tmp{os.getpid()}")
@@ -168,10 +182,15 @@ _warned: set = set()
 
 def _user_table(gpu: GPU) -> Table | None:
     path = user_path(gpu)
+    return _usable(path, gpu, f"user table {path}")
+
+
+def _usable(path: Path, gpu: GPU, origin: str) -> Table | None:
+    """The table at `path`, or None where there is none or it cannot be used (with one warning)."""
     if not path.exists():
         return None
     try:
-        return read(path, gpu, f"user table {path}")
+        return read(path, gpu, origin)
     except TableError as e:
         if path not in _warned:
             _warned.add(path)
@@ -181,10 +200,7 @@ def _user_table(gpu: GPU) -> Table | None:
 
 def _shipped_table(gpu: GPU) -> Table | None:
     """The table shipped for this GPU model (same name, compute capability and SM count)."""
-    path = SHIPPED_DIR / f"tuned-{gpu.slug()}.json"
-    if not path.exists():
-        return None
-    return read(path, gpu, f"shipped {gpu.name} table")
+    return _usable(SHIPPED_DIR / f"tuned-{gpu.slug()}.json", gpu, f"shipped {gpu.name} table")
 
 
 @functools.lru_cache(maxsize=None)

@@ -1,6 +1,6 @@
 """Tuning: measure candidate traits on this GPU and write the winners into its
 tuned table (cunorm.tables), the table dispatch consults first. The command
-is `cunorm tune` (cunorm/cli.py).
+is `cunorm tune` (cunorm/cli/measuring.py).
 
 Each key of the table (cunorm.tables.Key: direction, LayerNorm or RMSNorm,
 residual, hidden size, input element bytes, general rows) is measured in
@@ -391,6 +391,11 @@ def run(sizes=SIZES, ops=tuple(OPS), residuals=(False,), dtype_names=("bfloat16"
         print(f"{len(summary['skipped'])} of {len(jobs)} keys already in {path}: skipped (--fresh measures them "
               f"again)", file=out)
     shapes = {j: candidates(j.n, j.dtype, j.key.backward, arch, j.key.rms, j.key.residual, warps_n) for j in todo}
+    for job in [j for j in todo if not shapes[j]]:  # nothing to time: say why, not "failed the check"
+        todo.remove(job)
+        summary["failed"].append(job.label())
+        print(f"TUNE {job.label()}: no candidate traits to time (rows of fewer than a vector per thread, or none "
+              f"with the WARPS_N values given); dispatch's heuristic serves it", file=out)
     steps = {j: _steps(shapes[j], j.key.backward, KEEP, FINALISTS, rounds) for j in todo}
     copy = bench.copy_bandwidth() if todo else 0.0
     with bench.progress(sum(steps.values()), f"tuning {len(todo)} keys", out) as (bar, echo):

@@ -19,6 +19,7 @@ import sys
 import time
 
 import cupy
+import numpy as np
 
 cupy.cuda.set_allocator(None)
 
@@ -30,27 +31,41 @@ def sweep_cases(rows: int = 3) -> list:
     return list(dict.fromkeys(dataclasses.replace(c, rows=rows) for c in cases))
 
 
+def shard(text: str) -> tuple:
+    """ "i/k" as (i, k), 0 <= i < k."""
+    try:
+        i, k = (int(v) for v in text.split("/"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected i/k, e.g. 0/4") from None
+    if not 0 <= i < k:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected 0 <= i < k")
+    return i, k
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--shard", default="0/1", help="i/k: run every k-th case starting at i")
+    p.add_argument("--shard", default="0/1", type=shard, help="i/k: run every k-th case starting at i (0 <= i < k)")
     p.add_argument("--rows", type=int, default=3)
     a = p.parse_args(argv)
-    i, k = (int(v) for v in a.shard.split("/"))
+    i, k = a.shard
     cases = sweep_cases(a.rows)[i::k]
-    arch = cupy.cuda.Device().compute_capability
-    kernels = collections.Counter(origin for _, origin in check.case_kernels(cases, int(arch)))
+    from cunorm.compiler import device_arch, device_gpu
+
+    dev = cupy.cuda.Device().id
+    kernels = collections.Counter(origin for _, origin in check.case_kernels(cases, device_arch(dev),
+                                                                                gpu=device_gpu(dev)))
     t0 = time.time()
     check.precompile(cases)
-    print(f"shard {a.shard}: {len(cases)} cases, {sum(kernels.values())} distinct kernels "
+    print(f"shard {i}/{k}: {len(cases)} cases, {sum(kernels.values())} distinct kernels "
           f"({', '.join(f'{n} {o}' for o, n in kernels.items())}); compiled in {time.time() - t0:.0f} s", flush=True)
     bad = 0
-    rng = check.np.random.default_rng(0)
+    rng = np.random.default_rng(0)
     for case in cases:
         for r in check.run_case(case, rng):
             if not r.ok:
                 print(f"FAIL {r.case.label()} {r.output} {r.error:.2e} > {r.tolerance:.0e}", flush=True)
                 bad += 1
-    print(f"shard {a.shard}: {len(cases)} cases run, {bad} failed outputs, {time.time() - t0:.0f} s")
+    print(f"shard {i}/{k}: {len(cases)} cases run, {bad} failed outputs, {time.time() - t0:.0f} s")
     return 1 if bad else 0
 
 

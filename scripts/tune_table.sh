@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Tunes every size of the dispatch table on this GPU, LayerNorm and RMSNorm, forward and backward, with and
-# without a residual, 2- and 4-byte inputs, and writes the table to $OUT/table.json (also this GPU's user
-# table, which dispatch reads first). To ship it for this GPU model: copy it to
+# without a residual, 2- and 4-byte inputs, and writes the table to $OUT/table.json. To use it on this
+# machine, copy it to the user table (`cunorm list` names it); to ship it for this GPU model, copy it to
 # cunorm/shipped_tables/tuned-<GPU slug>.json (the name `cunorm list` shows in its first line).
 # Resumable: run it again after an interruption; BUDGET=SECONDS stops it cleanly.
 set -u -o pipefail

@@ -217,3 +217,21 @@ def test_ops_pick_the_ops_and_directions_timed(stand_in_gpu):
 def test_op_pairs_cover_every_name():
     assert bench.op_pairs(["bwd+residual", "delta"]) == {("layer_norm+residual", "bwd")}
     assert len(bench.op_pairs()) == 8 and {op for op, _ in bench.op_pairs()} == set(bench.NORM_OPS)
+
+
+@pytest.mark.parametrize("saved", [{"rows": [{"x": 1}]}, {"rows": 5},
+                                   {"rows": [{"op": "layer_norm fwd", "n": 8, "variants": {"tuned": {}}}]}])
+def test_a_foreign_json_to_plot_is_a_usage_error(saved, tmp_path):
+    path = tmp_path / "saved.json"
+    path.write_text(json.dumps(saved))
+    res = runner().invoke(cli.main, ["bench", "--from-json", str(path), "--plot", str(tmp_path / "p.png")])
+    assert res.exit_code == 2 and "--from-json" in res.output and "Traceback" not in res.output
+
+
+def test_a_source_and_ops_of_the_other_direction_are_refused(tmp_path):
+    from cunorm.source import _read
+
+    path = tmp_path / "my_norm_fwd.cu"
+    path.write_text(_read("norm_fwd.cu"))
+    res = runner().invoke(cli.main, ["bench", "--source", str(path), "--ops", "bwd,rms-bwd"])
+    assert res.exit_code == 2 and "leaves nothing to time" in res.output

@@ -120,3 +120,44 @@ def test_list_names_where_each_entry_came_from(monkeypatch):
     assert sources[(4096, "bfloat16", "bwd")] == "tuned" and sources[(4096, "float32", "fwd")] == "heuristic"
     text = CliRunner().invoke(cli.main, ["list"]).output
     assert "NVIDIA H200" in text and "user table" in text.splitlines()[0]
+
+
+@pytest.mark.parametrize("field, value", [("knobs.warps_n", "4"), ("knobs.warps_n", 4.0), ("knobs.cache_weights", "false"),
+                                          ("knobs.cache_weights", 1), ("n", "4096"), ("general", "yes"),
+                                          ("input_bytes", -2)])
+def test_a_table_with_a_value_of_the_wrong_type_is_refused(field, value):
+    t = Table(H200, cunorm.__version__, 12080, {})
+    t.put(Key(False, False, False, 4096, 2), KNOBS)
+    raw = json.loads(t.to_json())
+    entry = raw["entries"][0]
+    if field.startswith("knobs."):
+        entry["knobs"][field.split(".")[1]] = value
+    else:
+        entry[field] = value
+    with pytest.raises(tables.TableError, match="must be"):
+        Table.from_json(json.dumps(raw))
+
+
+def test_an_unusable_shipped_table_is_skipped_with_a_warning_not_an_error(tmp_path, monkeypatch):
+    """A cunorm upgrade must not turn a shipped table of the previous version into a failure of every call."""
+    shipped = tmp_path / "shipped"
+    shipped.mkdir()
+    monkeypatch.setattr(tables, "SHIPPED_DIR", shipped)
+    t = Table(H200, "0.0.9", 12080, {})
+    t.put(Key(False, False, False, 4096, 2), {**KNOBS, "warps_n": 4})
+    (shipped / f"tuned-{H200.slug()}.json").write_text(t.to_json())
+    tables.forget()
+    with pytest.warns(RuntimeWarning, match="measured with cunorm 0.0.9"):
+        assert dispatch.choose(arch=90, gpu=H200, **CALL)[1] == "tuned"
+
+
+def test_saving_a_table_replans_calls_already_planned():
+    from cunorm import plan
+
+    from cunorm.norm.plans import Family
+
+    plan.CALLS["stand-in"] = object()
+    plan.choose_traits(Family, tuple(sorted(CALL.items())), 90, None, H200)
+    assert plan.choose_traits.cache_info().currsize >= 1
+    _save({Key(False, False, False, 4096, 2): KNOBS})
+    assert "stand-in" not in plan.CALLS and plan.choose_traits.cache_info().currsize == 0

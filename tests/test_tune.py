@@ -388,3 +388,9 @@ def test_a_small_tune_on_the_gpu_fills_the_table_dispatch_reads(tmp_path, monkey
     traits, origin = dispatch.choose(arch=compiler.device_arch(0), gpu=gpu, **job.call_fields())
     assert origin.startswith("user table") and traits.knobs() == line["knobs"]
     tables.forget()
+
+
+def test_a_key_without_candidates_says_why_and_times_nothing(gpu):
+    res = run_tune("--sizes", "1024", "--ops", "fwd", "--warps-n", "64")  # WARPS_N=64 is never legal
+    assert res.exit_code == 1 and "no candidate traits to time" in res.output
+    assert "float64" not in res.output and not gpu.timed and not tables.user_path(GPU).exists()

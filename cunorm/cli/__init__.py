@@ -80,7 +80,6 @@ def main():
     """cunorm: row-wise normalization kernels for CuPy."""
 
 
-
 __all__ = ["main", "bench", "tune", "checking", "inventory", "measuring", "gpu_missing", "gpu_count", "EXIT_FAIL",
            "EXIT_NO_GPU"]
 

@@ -67,13 +67,16 @@ def _op_names(choices, default=None):
     return parse
 
 
-def _plot(results: dict, path: str):
+def _plot(results: dict, path: str, saved: str | None = None):
     from ..plot import plot_bandwidth
 
     try:
         plot_bandwidth(results, path)
     except (ImportError, ValueError) as e:
         raise click.ClickException(str(e)) from None
+    except (KeyError, TypeError, AttributeError) as e:  # only a saved file can be malformed
+        raise click.BadParameter(f"{saved}: not the results of cunorm bench ({type(e).__name__}: {e})",
+                                 param_hint="--from-json") from None
     click.echo(f"plot written to {path}", err=True)
 
 
@@ -143,7 +146,7 @@ def bench(ctx, sizes, head_dims, ops, dtype, weight_dtype, repeat, no_extras, ho
             raise click.BadParameter(f"{from_json}: not JSON ({e})", param_hint="--from-json") from None
         if not isinstance(results, dict):
             raise click.BadParameter(f"{from_json}: not the results of cunorm bench", param_hint="--from-json")
-        _plot(results, plot_file)
+        _plot(results, plot_file, from_json)
         return
     source = directions = None
     if source_file:
@@ -152,6 +155,9 @@ def bench(ctx, sizes, head_dims, ops, dtype, weight_dtype, repeat, no_extras, ho
         directions = b.served_directions(source)
         if not directions:
             raise click.BadParameter(f"{source_file}: defines neither norm_fwd nor norm_bwd", param_hint="--source")
+        if ops and not any(d in directions for _, d in b.op_pairs(ops)):
+            raise click.UsageError(f"--source {source_file} serves {'/'.join(directions)} only: --ops "
+                                   f"{','.join(ops)} leaves nothing to time")
     if cli.gpu_missing(ctx.command_path, as_json, "--from-json FILE --plot FILE plots a saved run without one"):
         sys.exit(cli.EXIT_NO_GPU)
     out = sys.stderr if as_json else sys.stdout
@@ -193,8 +199,8 @@ def bench(ctx, sizes, head_dims, ops, dtype, weight_dtype, repeat, no_extras, ho
 @click.option("--rounds", type=click.IntRange(min=1), default=TUNE_ROUNDS, show_default=True,
               help="Interleaved timing rounds of each key's finalists; the best median wins.")
 @click.option("--output", type=click.Path(dir_okay=False),
-              help="The table to write (default: this GPU's user table, in $CUNORM_CACHE_DIR or else "
-                   "~/.cache/cunorm, which dispatch reads first).")
+              help="The table to write (default: this GPU's user table, which dispatch reads first, in "
+                   "$CUNORM_CACHE_DIR, else $XDG_CACHE_HOME/cunorm or ~/.cache/cunorm).")
 @click.option("--fresh", is_flag=True, help="Measure keys already in the table again (its other entries stay).")
 @click.option("--warps-n", callback=cli._csv(int),
               help=f"WARPS_N values to try, comma-separated (default: {','.join(map(str, TUNE_SHAPES['warps_n']))}).")

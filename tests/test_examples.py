@@ -52,3 +52,27 @@ def test_notebook_was_run_on_a_gpu_and_keeps_its_outputs():
     text = "".join("".join(o.get("text", "")) + "".join(o.get("data", {}).get("text/plain", "")) for o in outputs)
     assert "needs a CUDA GPU" not in text and ("H100" in text or "H200" in text)
     assert any("image/png" in o.get("data", {}) for o in outputs)
+
+
+def test_the_notebooks_gpu_cells_still_fit_the_api():
+    """The GPU cells ran when the notebook was executed; since then the functions they call must keep
+    the names and keywords the cells use (the cells' calls, bound to the current signatures)."""
+    import inspect
+
+    from cunorm.bench import compare, median_ms, variants_of
+    from cunorm.check import Case, run_case
+    from cunorm.plot import plot_bandwidth
+    from cunorm.tune import tune
+
+    code = "\n".join("".join(c["source"]) for c in json.loads((ROOT / "examples" / "tour.ipynb").read_text())["cells"]
+                     if c["cell_type"] == "code")
+    for fn, args, kwargs in [
+            (compare, ((768,), {}), dict(rounds=3, repeat=10, directions=("fwd",))),
+            (variants_of, (), dict(source="text")),
+            (run_case, (None,), dict(source="text")),
+            (tune, (4096, "bfloat16"), dict(backward=True)),
+            (plot_bandwidth, ({}, "x.png"), {}),
+            (median_ms, (None,), {}),
+            (Case, ("layer_norm", 1024, 37, "bfloat16", "float32"), dict(has_bias=True))]:
+        assert fn.__name__ in code, fn.__name__
+        inspect.signature(fn).bind(*args, **kwargs)

@@ -24,6 +24,15 @@ def cache_dir(tmp_path, monkeypatch):
     tables.forget()
 
 
+@pytest.fixture
+def shipped(tmp_path, monkeypatch):
+    """An empty folder of shipped tables, in place of cunorm/shipped_tables."""
+    folder = tmp_path / "shipped"
+    folder.mkdir()
+    monkeypatch.setattr(tables, "SHIPPED_DIR", folder)
+    return folder
+
+
 def _save(entries: dict, gpu=H200) -> Table:
     t = Table(gpu, cunorm.__version__, 12080, {})
     for key, knobs in entries.items():
@@ -95,10 +104,7 @@ def test_a_table_round_trips_and_refuses_unknown_knobs():
         Table.from_json(json.dumps(bad))
 
 
-def test_a_shipped_table_serves_its_model_after_the_users(tmp_path, monkeypatch):
-    shipped = tmp_path / "shipped"
-    shipped.mkdir()
-    monkeypatch.setattr(tables, "SHIPPED_DIR", shipped)
+def test_a_shipped_table_serves_its_model_after_the_users(shipped):
     t = Table(H200, cunorm.__version__, 12080, {})
     t.put(Key(False, False, False, 4096, 2), {**KNOBS, "warps_n": 4})
     (shipped / f"tuned-{H200.slug()}.json").write_text(t.to_json())
@@ -138,11 +144,8 @@ def test_a_table_with_a_value_of_the_wrong_type_is_refused(field, value):
         Table.from_json(json.dumps(raw))
 
 
-def test_an_unusable_shipped_table_is_skipped_with_a_warning_not_an_error(tmp_path, monkeypatch):
+def test_an_unusable_shipped_table_is_skipped_with_a_warning_not_an_error(shipped):
     """A cunorm upgrade must not turn a shipped table of the previous version into a failure of every call."""
-    shipped = tmp_path / "shipped"
-    shipped.mkdir()
-    monkeypatch.setattr(tables, "SHIPPED_DIR", shipped)
     t = Table(H200, "0.0.9", 12080, {})
     t.put(Key(False, False, False, 4096, 2), {**KNOBS, "warps_n": 4})
     (shipped / f"tuned-{H200.slug()}.json").write_text(t.to_json())

@@ -181,13 +181,19 @@ _warned: set = set()
 
 
 def _user_table(gpu: GPU) -> Table | None:
-    path = user_path(gpu)
+    try:
+        path = user_path(gpu)
+    except RuntimeError:  # no home folder to find and no $CUNORM_CACHE_DIR: no user table
+        return None
     return _usable(path, gpu, f"user table {path}")
 
 
 def _usable(path: Path, gpu: GPU, origin: str) -> Table | None:
     """The table at `path`, or None where there is none or it cannot be used (with one warning)."""
-    if not path.exists():
+    try:
+        if not path.exists():
+            return None
+    except OSError:  # an unreadable folder holds no table we can use
         return None
     try:
         return read(path, gpu, origin)

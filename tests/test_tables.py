@@ -164,3 +164,13 @@ def test_saving_a_table_replans_calls_already_planned():
     assert plan.choose_traits.cache_info().currsize >= 1
     _save({Key(False, False, False, 4096, 2): KNOBS})
     assert "stand-in" not in plan.CALLS and plan.choose_traits.cache_info().currsize == 0
+
+
+def test_no_home_folder_means_no_user_table_not_a_failure(monkeypatch):
+    from pathlib import Path
+
+    monkeypatch.delenv(tables.ENV_DIR, raising=False)
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    monkeypatch.setattr(Path, "home", classmethod(lambda cls: (_ for _ in ()).throw(RuntimeError("no home"))))
+    tables.forget()
+    assert dispatch.choose(arch=90, gpu=H200, **CALL)[1] == "tuned"

@@ -13,6 +13,7 @@ from typing import Callable, NamedTuple
 import numpy as np
 
 from . import dtypes
+from .check import SHORT_NAMES
 from .source import defined_kernels
 
 BENCH_SIZES = (768, 1024, 4096, 8192, 16384, 65536)
@@ -22,9 +23,8 @@ NORM_OPS = ("layer_norm", "rms_norm", "layer_norm+residual", "rms_norm+residual"
 PLAIN_OPS = ("layer_norm", "rms_norm")
 DIRECTIONS = ("fwd", "bwd")
 # `cunorm bench --ops` names: the (op, direction) each stands for; "delta" is attention_delta.
-OP_CHOICES = {"fwd": ("layer_norm", "fwd"), "bwd": ("layer_norm", "bwd"), "rms": ("rms_norm", "fwd"),
-              "rms-bwd": ("rms_norm", "bwd")}
-OP_CHOICES.update({f"{name}+residual": (f"{op}+residual", d) for name, (op, d) in list(OP_CHOICES.items())})
+OP_CHOICES = {f"{name}{extra}": (f"{op}{extra}", "bwd" if backward else "fwd")
+              for extra in ("", "+residual") for name, (op, backward) in SHORT_NAMES.items()}
 BENCH_OPS = (*OP_CHOICES, "delta")
 
 

@@ -27,6 +27,9 @@ HEURISTIC_SAMPLE = (8, 40, 200, 1000, 1160, 4104, 7168)
 
 DELTA_HEAD_DIMS = (1, 3, 8, 63, 64, 80, 96, 128, 192, 256, 512)
 NORM_OPS = ("layer_norm", "layer_norm_backward", "rms_norm", "rms_norm_backward")
+# The short names the CLI and the tools (check, bench, tune) give the norm ops: name -> (op, backward).
+SHORT_NAMES = {"fwd": ("layer_norm", False), "bwd": ("layer_norm", True), "rms": ("rms_norm", False),
+               "rms-bwd": ("rms_norm", True)}
 OPS = NORM_OPS + ("attention_delta",)
 SWEEPS = ("tuned", "general", "flags", "pairwise")
 # Row layouts of x, residual, dy and dresidual: "contiguous", "offset:K" (a view

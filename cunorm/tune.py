@@ -29,13 +29,14 @@ from pathlib import Path
 import numpy as np
 
 from . import dtypes, tables
+from .check import SHORT_NAMES
 from .traits import Traits
 
 SHAPES = dict(ctas_per_row=(1, 2, 4, 8), warps_n=(1, 2, 4, 8, 16, 32), warps_m=(1, 2, 4, 8), bytes_per_ldg=(16, 8))
 EXTRAS = dict(stages=(1, 2, 3, 4), min_ctas_per_sm=(1, 2), cache_weights=(True, False),
               smem_accumulators=(False, True), recompute=(True, False))
 SIZES = (1024, 4096, 8192, 16384)  # what `cunorm tune` tunes by default
-OPS = {"fwd": (False, False), "bwd": (True, False), "rms": (False, True), "rms-bwd": (True, True)}  # (backward, rms)
+OPS = {name: (backward, op == "rms_norm") for name, (op, backward) in SHORT_NAMES.items()}  # (backward, rms)
 RESIDUAL = {"no": (False,), "yes": (True,), "both": (False, True)}  # residual variants per --residual
 REPEAT = 6  # timed batches per measurement (bench.median_ms)
 KEEP = 2  # shapes whose extras are tried

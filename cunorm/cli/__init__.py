@@ -13,9 +13,10 @@ import sys
 import click
 
 from .. import dtypes
+from ..check import SHORT_NAMES
 
 EXIT_FAIL, EXIT_NO_GPU = 1, 3
-OP_NAMES = {"fwd": "layer_norm", "bwd": "layer_norm_backward", "rms": "rms_norm", "rms-bwd": "rms_norm_backward",
+OP_NAMES = {**{name: op + ("_backward" if backward else "") for name, (op, backward) in SHORT_NAMES.items()},
             "delta": "attention_delta"}
 
 

@@ -1,0 +1,29 @@
+"""Tier A: the GPU tier's scripts parse their arguments and list their work without a GPU."""
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _script(name: str):
+    pytest.importorskip("cupy", reason="the sweep imports CuPy at its top (to turn the pool off first)")
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_sanitizer_sweep_covers_every_op_at_few_rows_and_parses_its_shard():
+    from cunorm import check
+
+    sweep = _script("sanitize_sweep")
+    cases = sweep.sweep_cases(rows=3)
+    assert len(cases) == len(set(cases)) > 1000 and {c.rows for c in cases} == {3}
+    assert {c.op for c in cases} == set(check.OPS)
+    assert any(c.layout for c in cases) and any(c.hidden_size % 8 for c in cases)  # the general kernel too
+    assert sweep.shard("1/4") == (1, 4)
+    for bad in ("4/4", "x", "1/0", "-1/2"):
+        with pytest.raises(Exception, match="expected"):
+            sweep.shard(bad)

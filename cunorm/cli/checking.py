@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import click
 import numpy as np
@@ -75,6 +77,16 @@ def check(sizes, rows, dtype_names, ops, sweeps, seed, compile_only, arch, sourc
     sys.exit(cli.EXIT_FAIL if failed else 0)
 
 
+def _report(traits, arch: int, source):
+    """The ptxas report of `traits` on `arch`, or the error that stopped it."""
+    from ..compiler import CompileError, compile_only
+
+    try:
+        return compile_only(traits, arch, source)
+    except (CompileError, ValueError) as e:
+        return e
+
+
 def _compile_only(cases, arch, as_json, source=None) -> int:
     """Compiles every distinct variant the cases run on `arch` and says, of
     each, what happened: compiled clean, compiled with spills (a failure for a
@@ -82,22 +94,25 @@ def _compile_only(cases, arch, as_json, source=None) -> int:
     legal traits there: not compiled, so not a pass), or failed to compile.
     Exit 1 when anything failed or nothing compiled."""
     from ..check import case_kernels
-    from ..compiler import CompileError, compile_only
 
     rows, reports = [], {}
 
     def report_of(traits):  # compiled once, whether asked for by the spill fallback or by the loop
         if traits not in reports:
-            try:
-                reports[traits] = compile_only(traits, arch, source)
-            except (CompileError, ValueError) as e:
-                reports[traits] = e
+            reports[traits] = _report(traits, arch, source)
         return reports[traits]
 
     def spills(traits) -> bool:
         report = report_of(traits)
         return not isinstance(report, Exception) and not report.clean
 
+    # Compile every first pick in parallel first (NVRTC runs outside the GIL), so the pass below, which may
+    # ask for a fallback's report, finds them done.
+    firsts = {t for t, _ in case_kernels(cases, arch) if not isinstance(t, ValueError)}
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        for traits, report in zip(firsts, pool.map(_report, firsts, [arch] * len(firsts),
+                                                    [source] * len(firsts))):
+            reports[traits] = report
     variants = list(case_kernels(cases, arch, None if source is not None else spills))
     with click.progressbar(variants, label=f"compiling for sm_{arch}", file=sys.stderr) as bar:
         for traits, origin in bar:

@@ -27,3 +27,16 @@ def test_the_sanitizer_sweep_covers_every_op_at_few_rows_and_parses_its_shard():
     for bad in ("4/4", "x", "1/0", "-1/2"):
         with pytest.raises(Exception, match="expected"):
             sweep.shard(bad)
+
+
+@pytest.mark.nvrtc
+def test_the_codegen_digest_is_stable_and_tells_variants_apart():
+    from cunorm import Traits
+
+    spec = importlib.util.spec_from_file_location("codegen_digest", ROOT / "scripts" / "codegen_digest.py")
+    digest = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(digest)
+    t = Traits(hidden_size=1024, input_dtype="bfloat16", warps_n=4)
+    first = digest.digest(t, 90)
+    assert len(first) == 16 and first == digest.digest(t, 90)
+    assert first != digest.digest(t.replace(stages=3), 90) and first != digest.digest(t, 80)

@@ -271,7 +271,7 @@ def check_knobs(job: Job, knobs: dict, seed: int = 0, asarray=None) -> list:
     `asarray` moves the host-drawn inputs to the op: cupy.asarray by default;
     numpy.asarray runs the op's numpy path."""
     from . import reference
-    from .check import DEFAULT_ROWS, TOLERANCE, poisoned_allocations, rel_l2
+    from .check import DEFAULT_ROWS, TOLERANCE, dx_scale_of, poisoned_allocations, rel_l2
     from .norm import layer_norm, layer_norm_backward, rms_norm, rms_norm_backward
 
     if asarray is None:
@@ -303,8 +303,7 @@ def check_knobs(job: Job, knobs: dict, seed: int = 0, asarray=None) -> list:
                     reference.layer_norm_backward(dy, x, *stats, w, dresidual=res))
             names = ("dx", "dweight", "dbias")
             # dx is a difference of terms of size |rstd * dy * w|: judged against them, as the checker does.
-            terms = dy.astype(np.float64) * w.astype(np.float64) * stats[-1][:, None]
-            scales["dx"] = float((terms * terms).sum() ** 0.5)
+            scales["dx"] = dx_scale_of(dy, w, False, stats[-1])
         else:
             h = reference.add_residual(x, res)
             with poisoned_allocations():

@@ -16,13 +16,19 @@ from . import arrays, dtypes, kinds, plan, reference
 from .launch import CallPlan, Launch, Output
 
 MAX_LEAD_AXES = 3  # leading axes the kernel indexes with their own strides
-MAX_HEAD_DIM = 2048  # 32 threads x 64 elements (MAX_ELTS_PER_THREAD) at one element per load
-# Elements of each input one thread holds (VECS_PER_THREAD * ELTS_PER_LDG * ROWS_PER_THREAD).
+MAX_HEAD_DIM = 2048  # 32 threads x 64 elements (MAX_ELTS_PER_THREAD) at one element per load; half for fp64
+# Elements of each input one thread holds (VECS_PER_THREAD * ELTS_PER_LDG * ROWS_PER_THREAD); fp64 elements
+# count twice (two registers each).
 MAX_ELTS_PER_THREAD = 64
 # Loads in flight per thread the heuristic aims for (both inputs, all rows).
 TARGET_BYTES_IN_FLIGHT = 256
 HEURISTIC_THREADS_PER_CTA = 256
 MAX_ROWS_PER_THREAD = 4  # more only adds registers (and, at 8 fp32 rows, a spill)
+
+
+def delta_dtype(out_dtype: str, grad_dtype: str) -> str:
+    """D's dtype, and what the products are summed in: float64 when an input is float64, else float32."""
+    return "float64" if "float64" in (out_dtype, grad_dtype) else "float32"
 
 
 @dataclass(frozen=True)
@@ -61,6 +67,15 @@ class DeltaTraits:
         return self.threads_per_cta // self.threads_per_row * self.rows_per_thread
 
     @property
+    def register_words(self) -> int:
+        """Registers an element of the wider input takes (2 for fp64)."""
+        return max(1, max(dtypes.itemsize(self.out_dtype), dtypes.itemsize(self.grad_dtype)) // 4)
+
+    @property
+    def delta_dtype(self) -> str:
+        return delta_dtype(self.out_dtype, self.grad_dtype)
+
+    @property
     def source_file(self) -> str:
         return "attention_delta.cu"
 
@@ -87,8 +102,8 @@ class DeltaTraits:
                  f"a vector of {self.elts_per_ldg} {name} is not a whole number of 16-byte (or one narrower) loads")
         rule(self.head_dim % self.elts_per_ldg == 0, "the head dim must be a multiple of the elements per load")
         rule(self.rows_per_thread >= 1, "ROWS_PER_THREAD must be >= 1")
-        rule(self.vecs_per_thread * self.elts_per_ldg * self.rows_per_thread <= MAX_ELTS_PER_THREAD,
-             f"more than {MAX_ELTS_PER_THREAD} elements per thread")
+        rule(self.vecs_per_thread * self.elts_per_ldg * self.rows_per_thread * self.register_words
+             <= MAX_ELTS_PER_THREAD, f"more than {MAX_ELTS_PER_THREAD // self.register_words} elements per thread")
 
     def check_arch(self, arch: int):
         pass  # nothing architecture-specific
@@ -106,6 +121,7 @@ class DeltaTraits:
 
     def template_values(self) -> dict:
         return {"OUT_T": dtypes.cxx_type(self.out_dtype), "GRAD_T": dtypes.cxx_type(self.grad_dtype),
+                "ACC_T": dtypes.cxx_type(self.delta_dtype),
                 "HEAD_DIM": self.head_dim, "THREADS_PER_ROW": self.threads_per_row,
                 "THREADS_PER_CTA": self.threads_per_cta, "ELTS_PER_LDG": self.elts_per_ldg,
                 "ROWS_PER_THREAD": self.rows_per_thread, "VECS_PER_THREAD": self.vecs_per_thread,
@@ -125,7 +141,7 @@ def heuristic(head_dim: int, out_dtype: str, grad_dtype: str, max_elts_per_ldg: 
     vecs = -(-vec_k // tpr)
     bytes_per_row_thread = vecs * elts * (dtypes.itemsize(out_dtype) + dtypes.itemsize(grad_dtype))
     rows = max(1, min(MAX_ROWS_PER_THREAD, TARGET_BYTES_IN_FLIGHT // bytes_per_row_thread))
-    while vecs * elts * rows > MAX_ELTS_PER_THREAD:
+    while vecs * elts * rows * max(1, wide // 4) > MAX_ELTS_PER_THREAD:
         rows //= 2
     return DeltaTraits(head_dim=head_dim, out_dtype=out_dtype, grad_dtype=grad_dtype, threads_per_row=tpr,
                        elts_per_ldg=elts, rows_per_thread=max(1, rows), threads_per_cta=HEURISTIC_THREADS_PER_CTA)
@@ -177,9 +193,10 @@ NAMES = ("out", "grad_out")
 
 
 def attention_delta(out, grad_out, *, traits=None):
-    """D[..., i] = sum_k float(out[..., i, k]) * float(grad_out[..., i, k]), float32.
+    """D[..., i] = sum_k out[..., i, k] * grad_out[..., i, k], float32 (float64,
+    summed in float64, when an input is float64).
 
-    out and grad_out: the same shape [..., K], dtypes fp32/fp16/bf16 (may
+    out and grad_out: the same shape [..., K], dtypes fp64/fp32/fp16/bf16 (may
     differ), head dim up to MAX_HEAD_DIM. GPU arrays with a contiguous last axis are read in place through
     their leading strides (up to three leading axes after merging contiguous
     ones); other layouts are copied first. K = 0 gives zeros, zero rows an
@@ -194,8 +211,7 @@ def attention_delta(out, grad_out, *, traits=None):
         return hit.run(values, ptrs)
     args, on_gpu = arrays.take_all({"out": out, "grad_out": grad_out}, {})
     O, G = args["out"], args["grad_out"]
-    arrays.check_dtype(O)
-    arrays.check_dtype(G)
+    d_dtype = delta_dtype(arrays.check_dtype(O), arrays.check_dtype(G))
     if O.array.ndim < 1:
         raise ValueError("out: needs at least one axis (the head dim), got a 0-d array")
     arrays.check_shape(G, O.array.shape, "out's shape")
@@ -204,7 +220,7 @@ def attention_delta(out, grad_out, *, traits=None):
             laid, _, _ = layout_of(arrays.described(args), copy=False)
             if laid is not None:
                 plan.resolve_traits(_Family, traits, dispatch_call(laid, traits), plan.PREVIEW_ARCH)
-        return reference.attention_delta(O.array, G.array).astype(np.float32)
+        return reference.attention_delta(O.array, G.array).astype(d_dtype)
     with plan.on_device(O.array.device_id):
         call = _plan(args, traits)
     plan.remember(key, call)
@@ -224,8 +240,11 @@ def layout_of(args: dict, copy: bool = True) -> tuple:
         return None, {}, ["no rows or an empty head dim: the result is zeros, and nothing is launched"]
     if rows >= 2**32:
         raise ValueError(f"out: {rows} rows; at most 2**32 - 1 are supported")
-    if k > MAX_HEAD_DIM:
-        raise ValueError(f"out: head dim {k} exceeds {MAX_HEAD_DIM}, the widest row a thread group holds")
+    widest = max(O.array.itemsize, args["grad_out"].array.itemsize)
+    max_k = MAX_HEAD_DIM // max(1, widest // 4)
+    if k > max_k:
+        raise ValueError(f"out: head dim {k} exceeds {max_k}, the widest row a thread group holds"
+                         + (" for float64" if widest == 8 else ""))
 
     def contiguous(t):
         if copy:
@@ -276,7 +295,8 @@ def _plan(args: dict, traits) -> CallPlan:
     O = args["out"]
     lead = tuple(O.array.shape[:-1])
     result = lambda objs, made: made[0]  # noqa: E731
-    delta = Output("delta", lead, np.dtype(np.float32))
+    delta = Output("delta", lead, np.dtype(delta_dtype(dtypes.name_of(O.array.dtype),
+                                                      dtypes.name_of(args["grad_out"].array.dtype))))
     kind, device = O.array.kind, O.array.device_id
     laid, copies, _ = layout_of(args)
     if laid is None:

@@ -17,9 +17,9 @@ import numpy as np
 from . import dispatch, dtypes, pairwise, reference
 from .attention_delta import MAX_HEAD_DIM
 
-# Relative L2 error allowed for outputs written in each dtype.
-TOLERANCE = {"float32": 1e-5, "float16": 1e-3, "bfloat16": 8e-3}
-# attention_delta sums in fp32 whatever the inputs: tighter than the output-dtype table.
+# Relative L2 error allowed for outputs written in each dtype (or computed in it: see `tolerance`).
+TOLERANCE = {"float64": 1e-12, "float32": 1e-5, "float16": 1e-3, "bfloat16": 8e-3}
+# attention_delta sums in fp32 (fp64 for fp64 inputs) whatever the inputs: tighter than the output-dtype table.
 DELTA_TOLERANCE_FP32, DELTA_TOLERANCE = 1e-6, 1e-5
 DEFAULT_ROWS = (1, 37, 4096)
 HEURISTIC_SAMPLE = (8, 40, 200, 1000, 1160, 4104, 7168)
@@ -120,6 +120,28 @@ class Result:
     def as_dict(self) -> dict:
         return {**asdict(self.case), "output": self.output, "error": self.error, "tolerance": self.tolerance,
                 "ok": self.ok}
+
+
+def tolerance(output_dtype: str, x_dtype: str) -> float:
+    """The error allowed for an output stored in `output_dtype` by a norm
+    kernel reading x of `x_dtype`: the output's rounding, or the compute
+    type's (fp32, or fp64 for fp64 x) where that is the coarser."""
+    return max(TOLERANCE[output_dtype], TOLERANCE[dtypes.compute_dtype(x_dtype)])
+
+
+def delta_tolerance(out_dtype: str, grad_dtype: str) -> float:
+    from .attention_delta import delta_dtype
+
+    if delta_dtype(out_dtype, grad_dtype) == "float64":
+        return TOLERANCE["float64"]
+    return DELTA_TOLERANCE_FP32 if (out_dtype, grad_dtype) == ("float32", "float32") else DELTA_TOLERANCE
+
+
+def standard_normal(gen, shape, dtype: str):
+    """N(0, 1) draws for a tensor of `dtype`: drawn in float64 for a float64
+    tensor (a float32 draw would leave its low bits zero, and an fp64 kernel
+    that truncated to fp32 would pass), float32 otherwise."""
+    return gen.standard_normal(shape, dtype="float64" if dtype == "float64" else "float32")
 
 
 def rel_l2(out, ref, scale: float = 0.0) -> float:
@@ -326,8 +348,8 @@ def delta_inputs(gen, rows: int, k: int, out_dtype: str, grad_dtype: str):
     """out ~ N(0, 1) and grad_out = out + N(0, 0.5^2): each row's dot product is
     well away from zero. With independent inputs a single row's sum can cancel
     to near zero, where no fp32 summation meets a relative bound."""
-    o = gen.standard_normal((rows, k), dtype="float32")
-    go = o + 0.5 * gen.standard_normal((rows, k), dtype="float32")
+    o = standard_normal(gen, (rows, k), out_dtype)
+    go = o + 0.5 * standard_normal(gen, (rows, k), grad_dtype)
     return o.astype(dtypes.numpy_dtype(out_dtype)), go.astype(dtypes.numpy_dtype(grad_dtype))
 
 
@@ -380,7 +402,7 @@ def _fill(view, values):
 
 
 def row_tensor(gen, rows: int, n: int, dtype: str, layout: str, values):
-    """A (rows, n) array in `layout` holding `values` (float32 on the GPU).
+    """A (rows, n) array in `layout` holding `values` (a GPU array).
     The rest of its buffer is NaN: a kernel that reads past a row's ends and
     lets those lanes in cannot pass."""
     import cupy
@@ -423,18 +445,18 @@ def _inputs(case: Case, rng):
     g = _gpu_rng(rng)
     sign = g.randint(0, 2, size=(m, 1)) * 2.0 - 1.0
     shift = sign * g.uniform(1, 3, size=(m, 1))  # rows far from zero mean
-    xv = g.standard_normal((m, n), dtype="float32") * float(rng.uniform(0.5, 2.0)) + shift
-    x = row_tensor(g, m, n, case.dtype, case.layout, xv.astype(np.float32))
+    xv = standard_normal(g, (m, n), case.dtype) * float(rng.uniform(0.5, 2.0)) + shift
+    x = row_tensor(g, m, n, case.dtype, case.layout, xv)
     w = (weight_vector(n, case.weight_dtype, case.weight_layout,
-                       (1.0 + 0.5 * g.standard_normal(n, dtype="float32")) * (0.5 if case.zero_centered else 1.0))
+                       (1.0 + 0.5 * standard_normal(g, n, case.weight_dtype)) * (0.5 if case.zero_centered else 1.0))
          if case.has_weight else None)
     bdt = case.bias_dtype or case.weight_dtype
-    b = (weight_vector(n, bdt, case.bias_layout or case.weight_layout, 0.5 * g.standard_normal(n, dtype="float32"))
+    b = (weight_vector(n, bdt, case.bias_layout or case.weight_layout, 0.5 * standard_normal(g, n, bdt))
          if case.has_bias and not case.rms else None)
     r = None
     if case.residual_dtype is not None and not case.backward:
         r = row_tensor(g, m, n, case.residual_dtype, case.layout_of("residual"),
-                       g.standard_normal((m, n), dtype="float32"))
+                       standard_normal(g, (m, n), case.residual_dtype))
     return x, w, b, r
 
 
@@ -526,7 +548,7 @@ def run_case(case: Case, rng=None, source: str | None = None) -> list:
         o, go = delta_inputs(_gpu_rng(rng), case.rows, case.hidden_size, case.dtype, case.weight_dtype)
         with poisoned_allocations():
             d = attention_delta(o, go)
-        tol = DELTA_TOLERANCE_FP32 if (case.dtype, case.weight_dtype) == ("float32", "float32") else DELTA_TOLERANCE
+        tol = delta_tolerance(case.dtype, case.weight_dtype)
         return [Result(case, "delta", rel_l2(d, reference.attention_delta(o, go), delta_scale(o, go)), tol)]
     if case.op not in NORM_OPS:
         raise ValueError(f"unknown op {case.op!r}")
@@ -554,7 +576,7 @@ def _run_forward(case: Case, rng, source=None) -> list:
         got = rms_norm(x, w, eps, **kwargs) if case.rms else layer_norm(x, w, b, eps, **kwargs)
     got = list(got)
     y = got.pop(0)
-    results = [Result(case, "y", rel_l2(y, y_ref), TOLERANCE[case.out_dtype or case.dtype])]
+    results = [Result(case, "y", rel_l2(y, y_ref), tolerance(case.out_dtype or case.dtype, case.dtype))]
     if case.in_place and y is not x:
         results.append(Result(case, "y is x", float("inf"), 0.0))
     if kwargs["out"] is not None and y is not kwargs["out"]:
@@ -562,11 +584,14 @@ def _run_forward(case: Case, rng, source=None) -> list:
     if r is not None:
         ro_dtype = case.residual_out_dtype or case.residual_dtype
         ro = got.pop(0)
-        results.append(Result(case, "residual_out", rel_l2(ro, h), TOLERANCE[ro_dtype]))
+        results.append(Result(case, "residual_out", rel_l2(ro, h), tolerance(ro_dtype, case.dtype)))
         if dtypes.name_of(ro.dtype) != ro_dtype:
             results.append(Result(case, f"residual_out dtype {ro.dtype}", float("inf"), 0.0))
+    stats_dtype = dtypes.compute_dtype(case.dtype)
     for (name, ref), value in zip(stats_ref, got):
-        results.append(Result(case, name, rel_l2(value, ref), TOLERANCE["float32"]))
+        results.append(Result(case, name, rel_l2(value, ref), TOLERANCE[stats_dtype]))
+        if dtypes.name_of(value.dtype) != stats_dtype:
+            results.append(Result(case, f"{name} dtype {value.dtype}", float("inf"), 0.0))
     return results
 
 
@@ -589,19 +614,20 @@ def _run_backward(case: Case, rng, source=None) -> list:
     g = _gpu_rng(rng)
     m, n = case.rows, case.hidden_size
     dy = row_tensor(g, m, n, case.out_dtype or case.dtype, case.layout_of("dy"),
-                    g.standard_normal((m, n), dtype="float32"))
+                    standard_normal(g, (m, n), case.out_dtype or case.dtype))
     dres = None
     if case.residual_dtype is not None:
         dres = row_tensor(g, m, n, case.residual_dtype, case.layout_of("residual"),
-                          g.standard_normal((m, n), dtype="float32"))
+                          standard_normal(g, (m, n), case.residual_dtype))
+    stats_dtype = dtypes.compute_dtype(case.dtype)  # what the forward returns the statistics in
     zc = case.zero_centered
     eps = 1e-5
     kwargs = dict(dresidual=dres, zero_centered_weight=zc, out=dy if case.in_place else _given_out(case, case.dtype),
                   source=source)
     if case.rms:
         _, rstd64 = reference.rms_norm(x, w, eps, zero_centered_weight=zc)
-        rstd = cupy.asarray(rstd64, dtype=np.float32)
-        # The reference takes the exact statistics, the op their fp32 rounding (what a forward returns).
+        rstd = cupy.asarray(rstd64, dtype=stats_dtype)
+        # The reference takes the exact statistics, the op their rounding (what a forward returns).
         refs = reference.rms_norm_backward(dy, x, rstd64, w, dresidual=dres, zero_centered_weight=zc)
         dx_scale = dx_scale_of(dy, w, zc, rstd)  # before the call: dx may be written over dy
         with poisoned_allocations():
@@ -609,15 +635,15 @@ def _run_backward(case: Case, rng, source=None) -> list:
         names = ("dx", "dweight")
     else:
         _, mean64, rstd64 = reference.layer_norm(x, w, None, eps, zero_centered_weight=zc)
-        mean, rstd = cupy.asarray(mean64, dtype=np.float32), cupy.asarray(rstd64, dtype=np.float32)
+        mean, rstd = cupy.asarray(mean64, dtype=stats_dtype), cupy.asarray(rstd64, dtype=stats_dtype)
         refs = reference.layer_norm_backward(dy, x, mean64, rstd64, w, dresidual=dres, zero_centered_weight=zc)
         dx_scale = dx_scale_of(dy, w, zc, rstd)  # before the call: dx may be written over dy
         with poisoned_allocations():
             got = layer_norm_backward(dy, x, mean, rstd, w, has_bias=case.has_bias, bias_dtype=case.bias_dtype,
                                       **kwargs)
         names = ("dx", "dweight", "dbias")
-    tol = {"dx": TOLERANCE[case.dtype], "dweight": TOLERANCE[case.weight_dtype],
-           "dbias": TOLERANCE[case.bias_dtype or case.weight_dtype]}
+    tol = {"dx": tolerance(case.dtype, case.dtype), "dweight": tolerance(case.weight_dtype, case.dtype),
+           "dbias": tolerance(case.bias_dtype or case.weight_dtype, case.dtype)}
     results = []
     for name, value, ref in zip(names, got, refs):
         present = {"dweight": case.has_weight, "dbias": case.has_bias}.get(name, True)

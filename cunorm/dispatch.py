@@ -173,7 +173,8 @@ def heuristic(*, hidden_size: int, input_dtype: str, elts_per_ldg: int | None = 
                     + 0.5 * (warps_n & (warps_n - 1) != 0))
             # Last resorts, for rows nothing else holds: wider CTAs than the register file favours, more
             # elements per thread than fit without spilling.
-            cost += 20.0 * (warps_n > max_warps_n) + 40.0 * (t.elts_per_thread > PREFERRED_ELTS_PER_THREAD[two_rows])
+            preferred = PREFERRED_ELTS_PER_THREAD[two_rows] // t.register_words
+            cost += 20.0 * (warps_n > max_warps_n) + 40.0 * (t.elts_per_thread > preferred)
             if cost < best_cost:
                 best, best_cost = t, cost
     if best is None:
@@ -184,7 +185,10 @@ def heuristic(*, hidden_size: int, input_dtype: str, elts_per_ldg: int | None = 
     # of held, and the backward keeps its column sums in shared memory.
     smem_sums = backward and best.threads_per_cta > 256
     if best.threads_per_cta > 256:
-        best = best.replace(cache_weights=False)
+        try:
+            best = best.replace(cache_weights=False)
+        except ValueError:  # general rows whose weights would not fit shared memory (wide fp64 rows): registers
+            pass
     if best.ctas_per_row == 1:
         warps_m = max(1, MIN_THREADS_PER_CTA // best.threads_per_row)
         while warps_m > 1:

@@ -11,13 +11,14 @@ except ImportError:  # pragma: no cover - ml_dtypes is a dependency
     BFLOAT16 = None
 
 # name -> (C++ storage type in kernels/cunorm_common.cuh, bytes)
-CXX_TYPES = {"float32": ("float", 4), "float16": ("cn_half", 2), "bfloat16": ("cn_bf16", 2)}
+CXX_TYPES = {"float32": ("float", 4), "float16": ("cn_half", 2), "bfloat16": ("cn_bf16", 2), "float64": ("double", 8)}
 NAMES = tuple(CXX_TYPES)
 
 
 # Other names of our dtypes: the short ones the CLI takes, and torch's spellings.
 ALIASES = {"fp32": "float32", "float": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16",
-           "torch.float32": "float32", "torch.float16": "float16", "torch.bfloat16": "bfloat16"}
+           "fp64": "float64", "double": "float64", "torch.float32": "float32", "torch.float16": "float16",
+           "torch.bfloat16": "bfloat16", "torch.float64": "float64"}
 
 
 def name_of(dtype) -> str:
@@ -42,6 +43,8 @@ def name_of(dtype) -> str:
         return "float32"
     if dt == np.float16:
         return "float16"
+    if dt == np.float64:
+        return "float64"
     raise ValueError(f"unsupported dtype {dt}; expected one of {', '.join(NAMES)}")
 
 
@@ -67,3 +70,8 @@ def itemsize(name: str) -> int:
 
 def cxx_type(name: str) -> str:
     return CXX_TYPES[name][0]
+
+
+def compute_dtype(input_dtype: str) -> str:
+    """What the normalization kernels compute and keep statistics in for x of `input_dtype`."""
+    return "float64" if input_dtype == "float64" else "float32"

@@ -122,11 +122,12 @@ class CupyKind:
         return _cupy_stream().ptr
 
     @staticmethod
-    def copy(obj):
-        """A fresh C-contiguous copy (aligned like any new allocation) of an array of any kind."""
+    def copy(obj, dtype=None):
+        """A fresh C-contiguous copy (aligned like any new allocation) of an array of any kind, in `dtype`
+        (a numpy dtype; None keeps the array's)."""
         import cupy
 
-        return cupy.array(as_cupy(obj), copy=True, order="C")
+        return cupy.array(as_cupy(obj), dtype=dtype, copy=True, order="C")
 
     @staticmethod
     def zero(a):
@@ -173,7 +174,8 @@ class TorchKind:
         if cls._torch is None:
             import torch
 
-            cls._dtypes = {torch.float32: np.dtype(np.float32), torch.float16: np.dtype(np.float16)}
+            cls._dtypes = {torch.float32: np.dtype(np.float32), torch.float16: np.dtype(np.float16),
+                           torch.float64: np.dtype(np.float64)}
             if dtypes.BFLOAT16 is not None:
                 cls._dtypes[torch.bfloat16] = dtypes.BFLOAT16
             cls._to_torch = {v: k for k, v in cls._dtypes.items()}
@@ -240,9 +242,11 @@ class TorchKind:
         return cls._raw_stream(device_id)
 
     @classmethod
-    def copy(cls, obj):
+    def copy(cls, obj, dtype=None):
         torch = cls.load()
-        t = obj if isinstance(obj, torch.Tensor) else torch.as_tensor(as_cupy(obj), device="cuda")
+        t = obj if isinstance(obj, torch.Tensor) else torch.from_dlpack(as_cupy(obj))
+        if dtype is not None and cls._dtypes.get(t.dtype) != dtype:
+            return t.to(cls._to_torch[np.dtype(dtype)], memory_format=torch.contiguous_format)
         return t.clone(memory_format=torch.contiguous_format)
 
     @staticmethod
@@ -262,8 +266,8 @@ class NumpyKind:
         return Tensor(a, cls, a.__array_interface__["data"][0], a.shape, a.strides, a.dtype, -1)
 
     @staticmethod
-    def copy(obj):
-        return np.array(obj, copy=True, order="C")
+    def copy(obj, dtype=None):
+        return np.array(obj, dtype=dtype, copy=True, order="C")
 
 
 class UnsupportedDtype(Exception):

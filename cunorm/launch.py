@@ -21,9 +21,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-_SLOT_TYPES = ("ptr", "i64", "i32", "u32", "f32")
+_SLOT_TYPES = ("ptr", "i64", "i32", "u32", "f32", "f64")
 _F32 = struct.Struct("<f")
 _U32 = struct.Struct("<I")
+_F64 = struct.Struct("<d")
+_U64 = struct.Struct("<Q")
 
 
 def f32_bits(value: float) -> int:
@@ -31,11 +33,16 @@ def f32_bits(value: float) -> int:
     return _U32.unpack(_F32.pack(value))[0]
 
 
+def f64_bits(value: float) -> int:
+    """The bits of `value` as a float64: a whole slot."""
+    return _U64.unpack(_F64.pack(value))[0]
+
+
 class Launch:
     """One kernel launch. `args` lists the kernel's parameters in order:
     ("ptr", name) (a pointer among the call's values; 0 when absent),
-    ("i64" | "i32" | "u32", int), ("f32", float, or the name of a per-call
-    scalar). `bind` turns names into positions; a call then writes every
+    ("i64" | "i32" | "u32", int), ("f32" | "f64", float, or the name of a
+    per-call scalar: its bits, `f32_bits` / `f64_bits`). `bind` turns names into positions; a call then writes every
     named slot with one `struct.pack_into` (constant slots are skipped, so
     they keep what planning wrote) and launches."""
 
@@ -53,6 +60,8 @@ class Launch:
                 packed.view(np.uint32)[2 * i] = np.uint32(value % 2**32)
             elif kind == "f32" and not isinstance(value, str):
                 packed.view(np.float32)[2 * i] = value
+            elif kind == "f64" and not isinstance(value, str):
+                packed.view(np.float64)[i] = value
         self.slots = array.array("Q", packed.tobytes())
         address = self.slots.buffer_info()[0]
         # The parameter array cuLaunchKernel reads: the address of each slot.
@@ -67,7 +76,7 @@ class Launch:
         slots are never written again)."""
         runs = []  # [first slot, [positions]]
         for i, (kind, value) in enumerate(self.args):
-            at = positions.get(value) if kind == "ptr" or (kind == "f32" and isinstance(value, str)) else None
+            at = positions.get(value) if kind == "ptr" or (kind in ("f32", "f64") and isinstance(value, str)) else None
             if at is None:
                 continue
             if runs and runs[-1][0] + len(runs[-1][1]) == i:
@@ -133,12 +142,13 @@ class CallPlan:
     call through the caller's kind. scratch: (name, bytes) of working memory,
     one raw allocation per call, released (stream-ordered) once the launches
     are queued. copies: arguments copied to fresh contiguous arrays on every
-    call (layouts the kernels cannot read in place). zeros: outputs filled
+    call (layouts the kernels cannot read in place): a name, or (name, numpy
+    dtype) to convert while copying. zeros: outputs filled
     with 0 (column sums of no rows). given_out: (argument, output) when
     `out=` replaces that output; checked against the inputs' `spans`
     (disjoint extents pass at once; anything else goes to
     `full_overlap_check(objs)`, the first call's exact test, which raises).
-    scalars: names of per-call float32 scalars. result(objs, outputs): the
+    scalars: names of per-call scalars (their bits). result(objs, outputs): the
     return value.
     """
 
@@ -147,7 +157,8 @@ class CallPlan:
         self.kind, self.device_id, self.names, self.launches = kind, device_id, tuple(names), tuple(launches)
         self.outputs, self.scratch, self.zeros = tuple(outputs), tuple(scratch), tuple(zeros)
         self.given_out, self.full_overlap_check, self.result = given_out, full_overlap_check, result
-        self.copies = tuple(self.names.index(c) for c in copies)
+        self.copies = tuple((self.names.index(c), None) if isinstance(c, str) else (self.names.index(c[0]), c[1])
+                            for c in copies)
         self.spans = tuple((self.names.index(k), s) for k, s in (spans or {}).items() if s)
         self.out_at = None if given_out is None else self.names.index(given_out[0])
         self.out_span = dict(self.spans).get(self.out_at, 0)
@@ -175,7 +186,7 @@ class CallPlan:
     def run(self, objs: tuple, ptrs: list, scalars: tuple = ()):
         """The call: `objs` its array arguments in `names` order (None:
         absent), `ptrs` their data pointers (0: absent), `scalars` the
-        float32 bits of the per-call scalars (`f32_bits`)."""
+        bits of the per-call scalars (`f32_bits`, `f64_bits`)."""
         if _current_device() != self.device_id:
             import cupy
 
@@ -189,9 +200,9 @@ class CallPlan:
         keep = None  # copies and scratch live until the launches are queued (stream-ordered pools)
         if self.copies:
             ptrs, keep = list(ptrs), []
-            for i in self.copies:
+            for i, dtype in self.copies:
                 if objs[i] is not None:
-                    copy = self.kind.copy(objs[i])
+                    copy = self.kind.copy(objs[i], dtype)
                     keep.append(copy)
                     ptrs[i] = self.kind.describe(copy).ptr
         made, made_ptrs = self.make_outputs(self.device_id, objs)

@@ -79,7 +79,7 @@ class Traits:
     bias_dtype: str | None = None
     residual_dtype: str | None = None
     residual_out_dtype: str | None = None
-    compute_dtype: str = "float32"
+    compute_dtype: str | None = None  # derived: float64 for float64 x, else float32 (dtypes.compute_dtype)
     # Knobs: None means not given. With none given, all come from the heuristic dispatch uses for such a
     # call (legal by construction); with some given, the others take KNOB_DEFAULTS.
     warps_m: int | None = None
@@ -103,6 +103,8 @@ class Traits:
 
     def __post_init__(self):
         object.__setattr__(self, "input_dtype", dtypes.name_of(self.input_dtype))
+        if self.compute_dtype is None:
+            object.__setattr__(self, "compute_dtype", dtypes.compute_dtype(self.input_dtype))
         # Dtypes left out: x's for the tensors present; float32 for absent ones (what a call names for them).
         present = dict(weight_dtype=self.has_weight, bias_dtype=self.has_bias, residual_dtype=self.has_residual,
                        residual_out_dtype=self.has_residual and not self.backward)
@@ -156,12 +158,17 @@ class Traits:
         return -(-self.vec_cols // self.vec_cols_per_ldg)
 
     @property
+    def register_words(self) -> int:
+        """Registers one element of a row takes in the arithmetic (2 for fp64)."""
+        return dtypes.itemsize(self.compute_dtype) // 4
+
+    @property
     def max_elts_per_thread(self) -> int:
         """The register budget in elements. The general kernel may go one vector
         over it: a shifted row touches one vector more than its length, and
         without that allowance an odd size could not run its aligned
         neighbour's launch shape (65537 beside 65536: 17 load steps, not 16)."""
-        return MAX_ELTS_PER_THREAD + (0 if self.aligned_rows else self.elts_per_ldg)
+        return MAX_ELTS_PER_THREAD // self.register_words + (0 if self.aligned_rows else self.elts_per_ldg)
 
     @property
     def elts_per_thread(self) -> int:
@@ -199,12 +206,12 @@ class Traits:
         """Dynamic shared memory: staged rows ([STAGES][WARPS_M][LDGS][THREADS_PER_ROW]
         vectors of every staged row tensor), weights kept in shared-memory slots
         ([WARPS_M][LDGS][THREADS_PER_ROW] vectors), and, in the backward, the
-        column-sum slots (2 x [WARPS_M][LDGS][THREADS_PER_ROW] fp32 vectors) when
+        column-sum slots (2 x [WARPS_M][LDGS][THREADS_PER_ROW] compute_t vectors) when
         the sums live there or WARPS_M rows must be folded."""
         staged = sum(self._pipe_bytes(d) for d in self.staged_dtypes)
         if self.backward:
             folds = self.smem_accumulators or self.warps_m > 1
-            sums = 2 * self.stage_slots * self.elts_per_ldg * 4 if folds else 0
+            sums = 2 * self.stage_slots * self.elts_per_ldg * dtypes.itemsize(self.compute_dtype) if folds else 0
             weights = self._weight_slot_bytes(self.weight_dtype) if self.has_weight else 0
             return sums + staged + weights
         weights = ((self._weight_slot_bytes(self.weight_dtype) if self.has_weight else 0)
@@ -239,7 +246,9 @@ class Traits:
                 raise ValueError(f"illegal traits {self.short()}: {message}")
 
         rule(isinstance(self.hidden_size, int) and self.hidden_size >= 1, "hidden_size must be a positive int")
-        rule(self.compute_dtype == "float32", "compute_dtype must be float32")
+        rule(self.compute_dtype == dtypes.compute_dtype(self.input_dtype),
+             f"compute_dtype must be {dtypes.compute_dtype(self.input_dtype)} for {self.input_dtype} x "
+             f"(float64 exactly for float64 x)")
         rule(self.warps_m >= 1 and self.warps_n >= 1, "WARPS_M and WARPS_N must be >= 1")
         rule(self.threads_per_cta <= MAX_THREADS_PER_CTA, "at most 1024 threads per CTA (WARPS_M * WARPS_N * 32)")
         rule(self.bytes_per_ldg in (2, 4, 8, 16), "BYTES_PER_LDG must be 2, 4, 8 or 16")

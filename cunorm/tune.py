@@ -271,7 +271,7 @@ def check_knobs(job: Job, knobs: dict, seed: int = 0, asarray=None) -> list:
     `asarray` moves the host-drawn inputs to the op: cupy.asarray by default;
     numpy.asarray runs the op's numpy path."""
     from . import reference
-    from .check import DEFAULT_ROWS, TOLERANCE, dx_scale_of, poisoned_allocations, rel_l2
+    from .check import DEFAULT_ROWS, TOLERANCE, dx_scale_of, poisoned_allocations, rel_l2, tolerance
     from .norm import layer_norm, layer_norm_backward, rms_norm, rms_norm_backward
 
     if asarray is None:
@@ -282,7 +282,8 @@ def check_knobs(job: Job, knobs: dict, seed: int = 0, asarray=None) -> list:
     gen = np.random.default_rng(seed)
 
     def draw(*shape, scale=1.0, shift=0.0):
-        return asarray((gen.standard_normal(shape, dtype=np.float32) * scale + shift).astype(
+        wide = np.float64 if job.dtype == "float64" else np.float32  # fp64 inputs use all their bits
+        return asarray((gen.standard_normal(shape, dtype=wide) * scale + shift).astype(
             dtypes.numpy_dtype(job.dtype)))
 
     failures = []
@@ -295,10 +296,10 @@ def check_knobs(job: Job, knobs: dict, seed: int = 0, asarray=None) -> list:
         if k.backward:
             dy = draw(m, n)
             stats = reference.rms_norm(x, w, eps)[1:] if k.rms else reference.layer_norm(x, w, None, eps)[1:]
-            fp32 = [asarray(s.astype(np.float32)) for s in stats]
+            rounded = [asarray(s.astype(dtypes.compute_dtype(job.dtype))) for s in stats]  # as a forward returns
             with poisoned_allocations():
-                got = (rms_norm_backward(dy, x, *fp32, w, dresidual=res, traits=knobs) if k.rms else
-                       layer_norm_backward(dy, x, *fp32, w, dresidual=res, traits=knobs))
+                got = (rms_norm_backward(dy, x, *rounded, w, dresidual=res, traits=knobs) if k.rms else
+                       layer_norm_backward(dy, x, *rounded, w, dresidual=res, traits=knobs))
             refs = (reference.rms_norm_backward(dy, x, *stats, w, dresidual=res) if k.rms else
                     reference.layer_norm_backward(dy, x, *stats, w, dresidual=res))
             names = ("dx", "dweight", "dbias")
@@ -313,7 +314,8 @@ def check_knobs(job: Job, knobs: dict, seed: int = 0, asarray=None) -> list:
             refs = (y, *([h] if k.residual else []), *stats)
             names = ("y", *(["residual_out"] if k.residual else []), *(["rstd"] if k.rms else ["mean", "rstd"]))
         for name, value, ref in zip(names, got, refs):
-            tol = TOLERANCE["float32" if name in ("mean", "rstd") else job.dtype]
+            tol = TOLERANCE[dtypes.compute_dtype(job.dtype)] if name in ("mean", "rstd") else tolerance(job.dtype,
+                                                                                                       job.dtype)
             error = rel_l2(value, ref, scales.get(name, 0.0))
             if not error <= tol:  # NaN fails too
                 failures.append(f"{name} at {m} rows: rel-L2 {error:.1e} > {tol:.0e}")

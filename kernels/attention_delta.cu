@@ -1,4 +1,5 @@
-// Attention-backward row delta: D[r] = sum_k float(out[r, k]) * float(grad_out[r, k]).
+// Attention-backward row delta: D[r] = sum_k out[r, k] * grad_out[r, k], summed in
+// acc_t: fp32, or fp64 when an input is fp64 (D is then fp64 too).
 //
 // THREADS_PER_ROW threads share a row, each summing VECS_PER_THREAD vectors of
 // ELTS_PER_LDG elements; a thread handles ROWS_PER_THREAD rows at once and
@@ -12,6 +13,7 @@
 
 typedef ${OUT_T} out_t;
 typedef ${GRAD_T} grad_t;
+typedef ${ACC_T} acc_t;
 constexpr int HEAD_DIM = ${HEAD_DIM};
 constexpr int THREADS_PER_ROW = ${THREADS_PER_ROW};
 constexpr int THREADS_PER_CTA = ${THREADS_PER_CTA};
@@ -42,7 +44,7 @@ struct RowIndex {
 };
 
 extern "C" __global__ void __launch_bounds__(THREADS_PER_CTA)
-attention_delta(const out_t* __restrict__ out, const grad_t* __restrict__ grad, float* __restrict__ delta,
+attention_delta(const out_t* __restrict__ out, const grad_t* __restrict__ grad, acc_t* __restrict__ delta,
                 unsigned rows, unsigned d1, unsigned d2, long long os0, long long os1, long long os2,
                 long long gs0, long long gs1, long long gs2) {
   using OVec = Vec<out_t, ELTS_PER_LDG>;
@@ -76,11 +78,11 @@ attention_delta(const out_t* __restrict__ out, const grad_t* __restrict__ grad, 
     }
 #pragma unroll
     for (int r = 0; r < ROWS_PER_THREAD; ++r) {
-      float acc = 0.f;
+      acc_t acc = 0;
 #pragma unroll
       for (int j = 0; j < VECS_PER_THREAD; ++j)
 #pragma unroll
-        for (int e = 0; e < ELTS_PER_LDG; ++e) acc = fmaf(o[r][j].get(e), g[r][j].get(e), acc);
+        for (int e = 0; e < ELTS_PER_LDG; ++e) acc = cn_fma(acc_t(o[r][j].get(e)), acc_t(g[r][j].get(e)), acc);
       // Butterfly within the row's THREADS_PER_ROW lanes (aligned groups of a warp).
 #pragma unroll
       for (int offset = THREADS_PER_ROW / 2; offset > 0; offset >>= 1)

@@ -6,7 +6,8 @@
 // free of a CUDA toolkit (only NVRTC is needed).
 #pragma once
 
-// 16-bit floats as raw bits; arithmetic is always done in fp32.
+// 16-bit floats as raw bits; arithmetic is done in fp32 (fp64 for fp64 inputs:
+// the kernels' compute_t).
 struct cn_half { unsigned short bits; };
 struct cn_bf16 { unsigned short bits; };
 
@@ -19,6 +20,7 @@ __device__ __forceinline__ float to_float(cn_half v) {
 __device__ __forceinline__ float to_float(cn_bf16 v) {
   return __uint_as_float(static_cast<unsigned>(v.bits) << 16);
 }
+__device__ __forceinline__ double to_float(double v) { return v; }  // fp64 stays fp64
 
 template <typename T> __device__ __forceinline__ T from_float(float f);
 template <> __device__ __forceinline__ float from_float<float>(float f) { return f; }
@@ -32,6 +34,24 @@ template <> __device__ __forceinline__ cn_bf16 from_float<cn_bf16>(float f) {
   asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h.bits) : "f"(f));
   return h;
 }
+template <> __device__ __forceinline__ double from_float<double>(float f) { return f; }
+// From fp64 results: fp64 and fp32 round once; 16-bit types through fp32 (cvt has no f64 -> bf16 form).
+template <typename T> __device__ __forceinline__ T from_float(double d) { return from_float<T>(float(d)); }
+template <> __device__ __forceinline__ double from_float<double>(double d) { return d; }
+
+// Arithmetic of either compute type, so that a kernel written once serves
+// fp32 (fast intrinsics, as before) and fp64 inputs.
+__device__ __forceinline__ float cn_fma(float a, float b, float c) { return fmaf(a, b, c); }
+__device__ __forceinline__ double cn_fma(double a, double b, double c) { return fma(a, b, c); }
+__device__ __forceinline__ float cn_rsqrt(float v) { return rsqrtf(v); }
+__device__ __forceinline__ double cn_rsqrt(double v) { return 1.0 / sqrt(v); }  // correctly rounded steps
+__device__ __forceinline__ bool cn_isfinite(float v) { return (__float_as_uint(v) & 0x7f800000u) != 0x7f800000u; }
+__device__ __forceinline__ bool cn_isfinite(double v) {
+  return (__double_as_longlong(v) & 0x7ff0000000000000ll) != 0x7ff0000000000000ll;
+}
+template <typename T> __device__ __forceinline__ T cn_nan();
+template <> __device__ __forceinline__ float cn_nan<float>() { return __uint_as_float(0x7fc00000u); }
+template <> __device__ __forceinline__ double cn_nan<double>() { return __longlong_as_double(0x7ff8000000000000ll); }
 
 // The widest single access a vector of BYTES bytes can be moved with.
 template <int BYTES> struct RawChunk;
@@ -43,8 +63,24 @@ template <> struct RawChunk<16> { using type = uint4; };
 // Element i of a packed array of 32-bit words, as fp32, and back. 16-bit
 // elements stay two to a register: an array of 16-bit values would take a
 // whole register per element.
+// value_t: what an element reads as (fp32; fp64 for fp64 elements).
 template <typename T> struct Packed;
+template <> struct Packed<double> {
+  using value_t = double;
+  static __device__ __forceinline__ double get(const unsigned* w, int i) {
+    return __hiloint2double(static_cast<int>(w[2 * i + 1]), static_cast<int>(w[2 * i]));
+  }
+  static __device__ __forceinline__ void set(unsigned* w, int i, double v) {
+    w[2 * i] = static_cast<unsigned>(__double2loint(v));
+    w[2 * i + 1] = static_cast<unsigned>(__double2hiint(v));
+  }
+  static __device__ __forceinline__ void set2(unsigned* w, int i, double lo, double hi) {
+    set(w, i, lo);
+    set(w, i + 1, hi);
+  }
+};
 template <> struct Packed<float> {
+  using value_t = float;
   static __device__ __forceinline__ float get(const unsigned* w, int i) { return __uint_as_float(w[i]); }
   static __device__ __forceinline__ void set(unsigned* w, int i, float v) { w[i] = __float_as_uint(v); }
   static __device__ __forceinline__ void set2(unsigned* w, int i, float lo, float hi) {
@@ -53,6 +89,7 @@ template <> struct Packed<float> {
   }
 };
 template <> struct Packed<cn_bf16> {
+  using value_t = float;
   static __device__ __forceinline__ float get(const unsigned* w, int i) {
     return __uint_as_float(i % 2 ? w[i / 2] & 0xffff0000u : w[i / 2] << 16);
   }
@@ -66,6 +103,7 @@ template <> struct Packed<cn_bf16> {
   }
 };
 template <> struct Packed<cn_half> {
+  using value_t = float;
   static __device__ __forceinline__ float get(const unsigned* w, int i) {
     return to_float(cn_half{static_cast<unsigned short>(i % 2 ? w[i / 2] >> 16 : w[i / 2] & 0xffffu)});
   }
@@ -120,11 +158,13 @@ struct Vec {
   __device__ __forceinline__ T raw_elt(int i) const { return elts[i]; }
   __device__ __forceinline__ void set_raw(int i, T v) { elts[i] = v; }
   __device__ __forceinline__ void set_raw_zero(int i) { elts[i] = T{}; }
-  __device__ __forceinline__ float get(int i) const { return Packed<T>::get(words, i); }
-  __device__ __forceinline__ void set(int i, float v) { Packed<T>::set(words, i, v); }
-  __device__ __forceinline__ void add(int i, float v) { set(i, get(i) + v); }
-  // All elements at once: 16-bit types convert two per instruction.
-  __device__ __forceinline__ void set_all(const float (&v)[N]) {
+  using value_t = typename Packed<T>::value_t;
+  __device__ __forceinline__ value_t get(int i) const { return Packed<T>::get(words, i); }
+  __device__ __forceinline__ void set(int i, value_t v) { Packed<T>::set(words, i, v); }
+  __device__ __forceinline__ void add(int i, value_t v) { set(i, get(i) + v); }
+  // All elements at once (fp32 or fp64 values): 16-bit types convert two per instruction.
+  template <typename F>
+  __device__ __forceinline__ void set_all(const F (&v)[N]) {
     if constexpr (N % 2 == 0) {
 #pragma unroll
       for (int i = 0; i < N; i += 2) Packed<T>::set2(words, i, v[i], v[i + 1]);
@@ -154,9 +194,10 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
 
-__device__ __forceinline__ float warp_sum(float v) {
+template <typename F>
+__device__ __forceinline__ F warp_sum(F v) {
   // A butterfly leaves the same bits in every lane: each step adds the same
-  // two numbers on both partners, and fp32 addition is commutative.
+  // two numbers on both partners, and floating-point addition is commutative.
 #pragma unroll
   for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
   return v;
@@ -170,7 +211,7 @@ __device__ __forceinline__ void cluster_sync() {
 #endif
 }
 
-// Reads the float at `local` (a __shared__ address) in the CTA of cluster rank `rank`.
+// Reads the value at `local` (a __shared__ address) in the CTA of cluster rank `rank`.
 __device__ __forceinline__ float load_cluster_shared(const float* local, unsigned rank) {
   float v = 0.f;
 #if __CUDA_ARCH__ >= 900
@@ -178,6 +219,16 @@ __device__ __forceinline__ float load_cluster_shared(const float* local, unsigne
   unsigned remote;
   asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(addr), "r"(rank));
   asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
+#endif
+  return v;
+}
+__device__ __forceinline__ double load_cluster_shared(const double* local, unsigned rank) {
+  double v = 0.0;
+#if __CUDA_ARCH__ >= 900
+  unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(local));
+  unsigned remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(addr), "r"(rank));
+  asm volatile("ld.shared::cluster.f64 %0, [%1];" : "=d"(v) : "r"(remote) : "memory");
 #endif
   return v;
 }

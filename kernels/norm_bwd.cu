@@ -1,4 +1,4 @@
-// Row normalization backward: dx, and per-CTA fp32 partials of dgamma and
+// Row normalization backward: dx, and per-CTA partials (compute_t) of dgamma and
 // dbeta, in one pass over x and dy; norm_bwd_finalize then sums the partials.
 //
 // With xhat = (x - mean) * rstd (RMSNorm: x * rstd) and g = dy * gamma (or
@@ -16,7 +16,7 @@
 
 constexpr bool SMEM_ACCUMULATORS = ${SMEM_ACCUMULATORS};
 constexpr bool RECOMPUTE = ${RECOMPUTE};  // recompute xhat and g after the reduction instead of holding them
-using AccVec = Vec<float, ELTS_PER_LDG>;
+using AccVec = Vec<compute_t, ELTS_PER_LDG>;
 // Column-sum slots of a CTA in shared memory: [2 (dgamma, dbeta)][WARPS_M][LDGS][THREADS_PER_ROW]
 // vectors. Used by the accumulators themselves, or (in registers) to fold WARPS_M rows into one.
 constexpr int ACC_SLOTS = WARPS_M * LDGS * THREADS_PER_ROW;
@@ -58,7 +58,7 @@ struct ColumnSums {
     }
   }
   // This thread's sums straight to the partial row (WARPS_M == 1, in registers).
-  __device__ __forceinline__ void store(float* part, const Coords& at) const {
+  __device__ __forceinline__ void store(compute_t* part, const Coords& at) const {
 #pragma unroll
     for (int it = 0; it < LDGS; ++it) {
       if (!at.in_row(it)) continue;
@@ -79,7 +79,7 @@ struct ColumnSums {
 // share one frame: whole vectors. Shifted rows put column j of warp row m at
 // element j + shift_m of the frame: element by element; with one row a CTA
 // (a cluster's CTAs) only this CTA's slots, otherwise every column.
-__device__ __forceinline__ void fold_slots(const AccVec* slots, float* part, const Coords& at, const void* x,
+__device__ __forceinline__ void fold_slots(const AccVec* slots, compute_t* part, const Coords& at, const void* x,
                                            long long ldx) {
   if constexpr (ALIGNED_ROWS || WARPS_M == 1) {
     for (int s = threadIdx.x; s < LDGS * THREADS_PER_ROW; s += THREADS_PER_CTA) {
@@ -103,9 +103,9 @@ __device__ __forceinline__ void fold_slots(const AccVec* slots, float* part, con
       }
     }
   } else {  // one CTA a row
-    const float* elts = reinterpret_cast<const float*>(slots);
+    const compute_t* elts = reinterpret_cast<const compute_t*>(slots);
     for (int j = threadIdx.x; j < COLS; j += THREADS_PER_CTA) {
-      float sum = 0.f;
+      compute_t sum = 0;
 #pragma unroll
       for (int m = 0; m < WARPS_M; ++m) {
         const int u = j + Coords::shift_of(x, ldx, at.group * ROWS_PER_CTA + m);
@@ -122,8 +122,8 @@ __device__ __forceinline__ void fold_slots(const AccVec* slots, float* part, con
 // are not __restrict__.
 extern "C" __global__ void __launch_bounds__(THREADS_PER_CTA, MIN_CTAS_PER_SM) CN_CLUSTER_DIMS
 norm_bwd(const output_t* dy, const input_t* x, const residual_t* dresidual,
-         const float* __restrict__ mean, const float* __restrict__ rstd, const weight_t* __restrict__ gamma,
-         input_t* dx, float* __restrict__ dgamma_part, float* __restrict__ dbeta_part,  // [groups, COLS]
+         const compute_t* __restrict__ mean, const compute_t* __restrict__ rstd, const weight_t* __restrict__ gamma,
+         input_t* dx, compute_t* __restrict__ dgamma_part, compute_t* __restrict__ dbeta_part,  // [groups, COLS]
          long long rows, long long ldx, long long lddy, long long ldres, long long lddx, long long gamma_stride) {
   using InVec = Vec<input_t, ELTS_PER_LDG>;
   using GradVec = Vec<output_t, ELTS_PER_LDG>;
@@ -145,30 +145,30 @@ norm_bwd(const output_t* dy, const input_t* x, const residual_t* dresidual,
   next += drs.BYTES;
   const RowWeights<weight_t, HAS_WEIGHT> w(gamma, gamma_stride, next, at);
 
-  constexpr float inv_cols = 1.f / float(COLS);
+  constexpr compute_t inv_cols = compute_t(1) / compute_t(COLS);
   constexpr bool ZERO_XHAT = !RMS && COLS == 1;  // a row of one element normalizes to 0
   for_each_row(rows, at, [&](long long row, bool row_ok, int stage) {
     InVec xv[LDGS];
     GradVec dyv[LDGS];
     xs.read(stage, row, xv, at);
     dys.read(stage, row, dyv, at);
-    const float rs = row_ok ? rstd[row] : 0.f;
-    const float mu = (RMS || !row_ok) ? 0.f : mean[row];  // xhat = (x - mu) * rs, exact even when |mu| >> std
+    const compute_t rs = row_ok ? rstd[row] : compute_t(0);
+    const compute_t mu = (RMS || !row_ok) ? compute_t(0) : mean[row];  // xhat = (x - mu) * rs: exact when |mu| >> std
     mask_row(xv, at);
     mask_row(dyv, at);
 
-    float sums[SUMS] = {};
+    compute_t sums[SUMS] = {};
 #pragma unroll
     for (int it = 0; it < LDGS; ++it) {
       const auto wv = w(it, at);
       AccVec dg = dgamma_acc.get(it), db = dbeta_acc.get(it);
 #pragma unroll
       for (int e = 0; e < ELTS_PER_LDG; ++e) {
-        const float xhat = ZERO_XHAT ? 0.f : (xv[it].get(e) - mu) * rs;
-        const float d = dyv[it].get(e);
-        const float g = HAS_WEIGHT ? d * scale_of(wv.get(e)) : d;
+        const compute_t xhat = ZERO_XHAT ? compute_t(0) : (xv[it].get(e) - mu) * rs;
+        const compute_t d = dyv[it].get(e);
+        const compute_t g = HAS_WEIGHT ? d * scale_of(wv.get(e)) : d;
         if constexpr (!RMS) sums[0] += g;
-        sums[SUMS - 1] = fmaf(g, xhat, sums[SUMS - 1]);
+        sums[SUMS - 1] = cn_fma(g, xhat, sums[SUMS - 1]);
         dg.add(e, d * xhat);
         db.add(e, d);
       }
@@ -187,7 +187,7 @@ norm_bwd(const output_t* dy, const input_t* x, const residual_t* dresidual,
     }
     reducer.allreduce(sums, at);
     // dx = rs * (g - mean(g) - xhat * mean(g * xhat)) = a * g + c * xhat + b (b = 0 for RMSNorm)
-    const float a = rs, b = RMS ? 0.f : -rs * sums[0] * inv_cols, c = -rs * sums[SUMS - 1] * inv_cols;
+    const compute_t a = rs, b = RMS ? compute_t(0) : -rs * sums[0] * inv_cols, c = -rs * sums[SUMS - 1] * inv_cols;
 
     if (row_ok) {
       ResVec dres[LDGS];  // unused (and optimized away) without a residual
@@ -197,13 +197,13 @@ norm_bwd(const output_t* dy, const input_t* x, const residual_t* dresidual,
         for (int it = 0; it < LDGS; ++it) {
           if (!at.in_row(it)) continue;
           const auto wv = w(it, at);
-          float out[ELTS_PER_LDG];
+          compute_t out[ELTS_PER_LDG];
 #pragma unroll
           for (int e = 0; e < ELTS_PER_LDG; ++e) {
-            const float xhat = ZERO_XHAT ? 0.f : (xv[it].get(e) - mu) * rs;
-            const float d = dyv[it].get(e);
-            const float g = HAS_WEIGHT ? d * scale_of(wv.get(e)) : d;
-            out[e] = ZERO_XHAT ? 0.f : fmaf(a, g, fmaf(c, xhat, b));
+            const compute_t xhat = ZERO_XHAT ? compute_t(0) : (xv[it].get(e) - mu) * rs;
+            const compute_t d = dyv[it].get(e);
+            const compute_t g = HAS_WEIGHT ? d * scale_of(wv.get(e)) : d;
+            out[e] = ZERO_XHAT ? compute_t(0) : cn_fma(a, g, cn_fma(c, xhat, b));
             if constexpr (HAS_RESIDUAL) out[e] += dres[it].get(e);
           }
           InVec o;
@@ -215,8 +215,8 @@ norm_bwd(const output_t* dy, const input_t* x, const residual_t* dresidual,
   }, xs, dys, drs);
 
   if constexpr (HAS_WEIGHT || HAS_BIAS) {
-    float* gpart = dgamma_part + at.group * COLS;
-    float* bpart = dbeta_part + at.group * COLS;
+    compute_t* gpart = dgamma_part + at.group * COLS;
+    compute_t* bpart = dbeta_part + at.group * COLS;
     if constexpr (WARPS_M == 1 && !SMEM_ACCUMULATORS) {
       if (HAS_WEIGHT) dgamma_acc.store(gpart, at);
       if (HAS_BIAS) dbeta_acc.store(bpart, at);
@@ -237,11 +237,11 @@ norm_bwd(const output_t* dy, const input_t* x, const residual_t* dresidual,
 // partial rows, then warp 0 adds the warps' results in warp order.
 constexpr int FINALIZE_WARPS = ${FINALIZE_WARPS};
 constexpr int FIN_VEC = COLS % 4 == 0 ? 4 : 1;
-using FinVec = Vec<float, FIN_VEC>;
+using FinVec = Vec<compute_t, FIN_VEC>;
 static_assert(32 * FIN_VEC == ${FINALIZE_COLS_PER_CTA}, "cunorm.Traits.finalize_cols_per_cta disagrees");
 
 extern "C" __global__ void __launch_bounds__(FINALIZE_WARPS * 32)
-norm_bwd_finalize(const float* __restrict__ dgamma_part, const float* __restrict__ dbeta_part, int parts,
+norm_bwd_finalize(const compute_t* __restrict__ dgamma_part, const compute_t* __restrict__ dbeta_part, int parts,
                   weight_t* __restrict__ dgamma, bias_t* __restrict__ dbeta) {
   __shared__ FinVec warp_sums[2][FINALIZE_WARPS][32];
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;

@@ -2,12 +2,12 @@
 //   LayerNorm  y = (h - mean) * rstd * g + beta
 //   RMSNorm    y = h * rstd * g,         rstd = 1 / sqrt(mean(h^2) + eps)
 // where g is gamma, or 1 + gamma for a zero-centered weight. With a residual,
-// h is summed in fp32 and also stored (residual_out).
+// h is summed in fp32 (compute_t: fp64 for fp64 x) and also stored (residual_out).
 //
 // Each row lives in registers (LDGS vectors of ELTS_PER_LDG elements per
 // thread), so it is read from memory exactly once; the next STAGES - 1 rows are
 // in flight meanwhile (see for_each_row). LayerNorm's mean and variance are
-// exact two-pass sums in fp32 over the registers, never E[h^2] - E[h]^2.
+// exact two-pass sums in compute_t over the registers, never E[h^2] - E[h]^2.
 #include "cunorm_common.cuh"
 #include "norm_traits.cuh"
 
@@ -21,12 +21,12 @@ static_assert(SMEM_BYTES == ${SMEM_BYTES}, "cunorm.Traits.smem_bytes disagrees w
 extern "C" __global__ void __launch_bounds__(THREADS_PER_CTA, MIN_CTAS_PER_SM) CN_CLUSTER_DIMS
 norm_fwd(const input_t* x, const residual_t* residual, const weight_t* __restrict__ gamma,
          const bias_t* __restrict__ beta, output_t* y, residual_out_t* residual_out,
-         float* __restrict__ mean_out, float* __restrict__ rstd_out,  // may be null
+         compute_t* __restrict__ mean_out, compute_t* __restrict__ rstd_out,  // may be null
          long long rows, long long ldx, long long ldr, long long ldy, long long ldro,
-         long long gamma_stride, long long beta_stride, float eps) {
+         long long gamma_stride, long long beta_stride, compute_t eps) {
   using InVec = Vec<input_t, ELTS_PER_LDG>;
   using ResVec = Vec<residual_t, ELTS_PER_LDG>;
-  using SumVec = Vec<float, ELTS_PER_LDG>;
+  using SumVec = Vec<compute_t, ELTS_PER_LDG>;
   const Coords at(x, ldx);
   CN_ROW_REDUCER(1, reducer);
   CN_DYNAMIC_SMEM(smem);
@@ -40,14 +40,14 @@ norm_fwd(const input_t* x, const residual_t* residual, const weight_t* __restric
   next += w.BYTES;
   const RowWeights<bias_t, HAS_BIAS> b(beta, beta_stride, next, at);
 
-  constexpr float inv_cols = 1.f / float(COLS);
+  constexpr compute_t inv_cols = compute_t(1) / compute_t(COLS);
   for_each_row(rows, at, [&](long long row, bool row_ok, int stage) {
     InVec v[LDGS];
     ResVec r[LDGS];  // unused (and optimized away) without a residual
     xs.read(stage, row, v, at);
     if constexpr (HAS_RESIDUAL) rs.read(stage, row, r, at);
     mask_row(v, at);
-    SumVec h[LDGS];  // x + residual in fp32 (optimized away without a residual)
+    SumVec h[LDGS];  // x + residual in compute_t (optimized away without a residual)
     if constexpr (HAS_RESIDUAL) {
       mask_row(r, at);
 #pragma unroll
@@ -56,14 +56,14 @@ norm_fwd(const input_t* x, const residual_t* residual, const weight_t* __restric
         for (int e = 0; e < ELTS_PER_LDG; ++e) h[it].set(e, v[it].get(e) + r[it].get(e));
     }
     // Element e of LDG step `it` of h; zero outside the row.
-    auto value = [&](int it, int e) -> float {
+    auto value = [&](int it, int e) -> compute_t {
       if constexpr (HAS_RESIDUAL) return h[it].get(e);
       else return v[it].get(e);
     };
 
-    float mean = 0.f;
+    compute_t mean = 0;
     if constexpr (!RMS) {
-      float sum[1] = {0.f};
+      compute_t sum[1] = {0};
 #pragma unroll
       for (int it = 0; it < LDGS; ++it)
 #pragma unroll
@@ -71,7 +71,7 @@ norm_fwd(const input_t* x, const residual_t* residual, const weight_t* __restric
       reducer.allreduce(sum, at);
       mean = sum[0] * inv_cols;
     }
-    float sq[1] = {0.f};
+    compute_t sq[1] = {0};
     with_edges(at, [&](auto edges) {
       constexpr bool EDGES = decltype(edges)::value;
 #pragma unroll
@@ -80,14 +80,14 @@ norm_fwd(const input_t* x, const residual_t* residual, const weight_t* __restric
         if (RMS || whole<EDGES>(it, at)) {  // RMSNorm: padding holds 0, which adds nothing
 #pragma unroll
           for (int e = 0; e < ELTS_PER_LDG; ++e) {
-            const float d = value(it, e) - mean;
-            sq[0] = fmaf(d, d, sq[0]);
+            const compute_t d = value(it, e) - mean;
+            sq[0] = cn_fma(d, d, sq[0]);
           }
         } else {  // a row end (general kernel): padding holds 0, not the mean
 #pragma unroll
           for (int e = 0; e < ELTS_PER_LDG; ++e) {
-            const float d = at.valid(it, e) ? value(it, e) - mean : 0.f;
-            sq[0] = fmaf(d, d, sq[0]);
+            const compute_t d = at.valid(it, e) ? value(it, e) - mean : compute_t(0);
+            sq[0] = cn_fma(d, d, sq[0]);
           }
         }
       }
@@ -95,8 +95,8 @@ norm_fwd(const input_t* x, const residual_t* residual, const weight_t* __restric
     reducer.allreduce(sq, at);
     // A row holding inf or NaN has a sum of squares that is not finite: all of its outputs, mean and rstd
     // included, are NaN (documented; RMSNorm would otherwise give rstd = 0 and zeros beside the NaN).
-    const bool finite = (__float_as_uint(sq[0]) & 0x7f800000u) != 0x7f800000u;
-    const float rstd = finite ? rsqrtf(sq[0] * inv_cols + eps) : __uint_as_float(0x7fc00000u);
+    const bool finite = cn_isfinite(sq[0]);
+    const compute_t rstd = finite ? cn_rsqrt(sq[0] * inv_cols + eps) : cn_nan<compute_t>();
     if (!finite) mean = rstd;
 
     if (row_ok) {
@@ -107,20 +107,20 @@ norm_fwd(const input_t* x, const residual_t* residual, const weight_t* __restric
           if (!at.in_row(it)) continue;
           const auto wv = w(it, at);
           const auto bv = b(it, at);
-          float out[ELTS_PER_LDG];
+          compute_t out[ELTS_PER_LDG];
 #pragma unroll
           for (int e = 0; e < ELTS_PER_LDG; ++e) {
             // (h - mean) * rstd, not h * rstd - mean * rstd: exact even when |mean| >> std.
             // A row of one element normalizes to 0 (y = beta), whatever eps.
-            const float xhat = (!RMS && COLS == 1) ? 0.f * rstd : (value(it, e) - mean) * rstd;  // NaN rows stay NaN
-            const float scaled = HAS_WEIGHT ? xhat * scale_of(wv.get(e)) : xhat;
+            const compute_t xhat = (!RMS && COLS == 1) ? 0 * rstd : (value(it, e) - mean) * rstd;  // NaN rows stay NaN
+            const compute_t scaled = HAS_WEIGHT ? xhat * scale_of(wv.get(e)) : xhat;
             out[e] = HAS_BIAS ? scaled + bv.get(e) : scaled;
           }
           Vec<output_t, ELTS_PER_LDG> o;
           o.set_all(out);
           store_vec<EDGES>(o, at.frame(y, row, ldy), it, at);
           if constexpr (HAS_RESIDUAL) {
-            float hs[ELTS_PER_LDG];
+            compute_t hs[ELTS_PER_LDG];
 #pragma unroll
             for (int e = 0; e < ELTS_PER_LDG; ++e) hs[e] = h[it].get(e);
             Vec<residual_out_t, ELTS_PER_LDG> ho;

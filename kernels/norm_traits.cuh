@@ -12,7 +12,7 @@ typedef ${BIAS_T} bias_t;            // beta and dbeta
 typedef ${OUTPUT_T} output_t;        // y (forward), dy (backward)
 typedef ${RESIDUAL_T} residual_t;    // residual (forward), dresidual (backward)
 typedef ${RESIDUAL_OUT_T} residual_out_t;  // residual_out = x + residual (forward)
-typedef ${COMPUTE_T} compute_t;
+typedef ${COMPUTE_T} compute_t;     // statistics, sums and arithmetic: fp32, or fp64 for fp64 x
 
 constexpr int COLS = ${HIDDEN_SIZE};
 constexpr int WARPS_M = ${WARPS_M};
@@ -48,7 +48,8 @@ constexpr int ELTS_PER_THREAD = LDGS * ELTS_PER_LDG;
 // Whether every thread's every LDG lands inside the row (no column predicate).
 constexpr bool FULL_TILES = ALIGNED_ROWS && VEC_COLS % VEC_COLS_PER_LDG == 0;
 
-static_assert(sizeof(compute_t) == 4, "compute_t must be fp32");
+static_assert(sizeof(compute_t) == 4 || sizeof(compute_t) == 8, "compute_t must be fp32 or fp64");
+static_assert((sizeof(compute_t) == 8) == (sizeof(input_t) == 8), "compute_t is fp64 exactly for fp64 x");
 static_assert(WARPS_M >= 1 && WARPS_N >= 1, "WARPS_M and WARPS_N must be >= 1");
 static_assert(THREADS_PER_CTA <= 1024, "at most 1024 threads per CTA");
 static_assert(BYTES_PER_LDG == 2 || BYTES_PER_LDG == 4 || BYTES_PER_LDG == 8 || BYTES_PER_LDG == 16,
@@ -424,14 +425,14 @@ struct RowWeights {
 // barrier that every reader of its previous contents has passed.
 template <int K>
 struct RowReducer {
-  float (*warp_partials)[WARPS_M][WARPS_N][K];
-  float (*cta_partials)[K];
+  compute_t (*warp_partials)[WARPS_M][WARPS_N][K];
+  compute_t (*cta_partials)[K];
   int parity = 0;
 
-  __device__ __forceinline__ RowReducer(float (*warps)[WARPS_M][WARPS_N][K], float (*ctas)[K])
+  __device__ __forceinline__ RowReducer(compute_t (*warps)[WARPS_M][WARPS_N][K], compute_t (*ctas)[K])
       : warp_partials(warps), cta_partials(ctas) {}
 
-  __device__ __forceinline__ void allreduce(float (&v)[K], const Coords& at) {
+  __device__ __forceinline__ void allreduce(compute_t (&v)[K], const Coords& at) {
 #pragma unroll
     for (int k = 0; k < K; ++k) v[k] = warp_sum(v[k]);
     if constexpr (WARPS_N > 1) {
@@ -442,7 +443,7 @@ struct RowReducer {
       __syncthreads();
 #pragma unroll
       for (int k = 0; k < K; ++k) {
-        float s = 0.f;
+        compute_t s = 0;
 #pragma unroll
         for (int w = 0; w < WARPS_N; ++w) s += warp_partials[parity][at.warp_m][w][k];
         v[k] = s;
@@ -456,7 +457,7 @@ struct RowReducer {
       cluster_sync();
 #pragma unroll
       for (int k = 0; k < K; ++k) {
-        float s = 0.f;
+        compute_t s = 0;
 #pragma unroll
         for (int r = 0; r < CTAS_PER_ROW; ++r) s += load_cluster_shared(&cta_partials[parity][k], r);
         v[k] = s;
@@ -468,8 +469,8 @@ struct RowReducer {
 
 // Declares the scratch a RowReducer<K> needs and constructs it as `name`.
 #define CN_ROW_REDUCER(K, name)                                   \
-  __shared__ float name##_warps[2][WARPS_M][WARPS_N][K];          \
-  __shared__ float name##_ctas[2][K];                             \
+  __shared__ compute_t name##_warps[2][WARPS_M][WARPS_N][K];      \
+  __shared__ compute_t name##_ctas[2][K];                         \
   RowReducer<K> name(name##_warps, name##_ctas)
 
 // A CTA must not exit while cluster peers may still read its shared memory.
@@ -478,7 +479,7 @@ __device__ __forceinline__ void finish_cluster() {
 }
 
 // The multiplier of xhat: gamma, or 1 + gamma for a zero-centered weight.
-__device__ __forceinline__ float scale_of(float gamma) { return ZERO_CENTERED ? 1.f + gamma : gamma; }
+__device__ __forceinline__ compute_t scale_of(compute_t gamma) { return ZERO_CENTERED ? compute_t(1) + gamma : gamma; }
 
 // Python's derivation of the same traits (cunorm/traits.py) must agree.
 static_assert(LDGS == ${LDGS}, "cunorm.Traits.ldgs disagrees with the kernel");

@@ -21,6 +21,32 @@ def test_numpy_forward_and_backward(rng):
     np.testing.assert_allclose(db, dy.reshape(-1, 64).astype(np.float64).sum(0), rtol=1e-5)
 
 
+def test_numpy_float64_is_computed_and_returned_in_float64(rng):
+    """float64, numpy's default dtype, runs end to end: outputs and statistics in float64, within 1e-12 of the
+    reference computed independently here; float64 mixes with the other dtypes; the backward asks for the
+    float32 or float64 statistics."""
+    x = rng.standard_normal((6, 100)) * 3 + 7
+    w, b = rng.standard_normal(100), rng.standard_normal(100)
+    y, mean, rstd = cunorm.layer_norm(x, w, b, return_stats=True)
+    assert y.dtype == mean.dtype == rstd.dtype == np.float64
+    mu = x.mean(-1, keepdims=True)
+    ref = (x - mu) / np.sqrt(((x - mu) ** 2).mean(-1, keepdims=True) + 1e-5) * w + b
+    assert np.linalg.norm(y - ref) / np.linalg.norm(ref) <= 1e-12
+    dy = rng.standard_normal(x.shape)
+    dx, dw, db = cunorm.layer_norm_backward(dy, x, mean, rstd, w)
+    assert dx.dtype == dw.dtype == db.dtype == np.float64
+    np.testing.assert_allclose(db, dy.sum(0), rtol=1e-13)
+    with pytest.raises(TypeError, match="mean: dtype float16 is not supported; expected one of float32, float64"):
+        cunorm.layer_norm_backward(dy, x, mean.astype(np.float16), rstd, w)
+    # Mixed: fp32 x with fp64 weights computes in fp32 (stats float32); fp64 x with bf16 weights in fp64.
+    y32, _, rstd32 = cunorm.layer_norm(x.astype(np.float32), w, b, return_stats=True)
+    assert y32.dtype == rstd32.dtype == np.float32
+    y16 = cunorm.rms_norm(x, w.astype(dtypes.BFLOAT16), out_dtype="bfloat16")
+    assert y16.dtype == dtypes.BFLOAT16
+    d = cunorm.attention_delta(x, dy.astype(np.float32))
+    assert d.dtype == np.float64 and np.allclose(d, (x * dy.astype(np.float32)).sum(-1), rtol=1e-13)
+
+
 def test_numpy_bf16_and_out_dtype(rng):
     x = rng.standard_normal((4, 32)).astype(dtypes.BFLOAT16)
     y = cunorm.layer_norm(x, out_dtype="float32")
@@ -63,12 +89,13 @@ def test_zero_rows(rng):
 
 @pytest.mark.parametrize("call,err,match", [
     (lambda x: cunorm.layer_norm([1.0, 2.0]), TypeError, "x: expected a cupy or numpy array"),
-    (lambda x: cunorm.layer_norm(x.astype(np.float64)), TypeError, "x: dtype float64"),
+    (lambda x: cunorm.layer_norm(x.astype(np.complex64)), TypeError, "x: dtype complex64"),
+    (lambda x: cunorm.layer_norm(x.astype(np.longdouble)), TypeError, "x: dtype float128"),
     (lambda x: cunorm.layer_norm(x.astype(np.int32)), TypeError, "x: dtype int32"),
     (lambda x: cunorm.layer_norm(x, np.ones(7, np.float32)), ValueError, "weight: shape"),
     (lambda x: cunorm.layer_norm(x, np.ones(8, np.int32)), TypeError, "weight: dtype int32"),
-    (lambda x: cunorm.layer_norm(x, np.ones(8, np.float32), np.ones(8, np.float64)), TypeError,
-     "bias: dtype float64"),
+    (lambda x: cunorm.layer_norm(x, np.ones(8, np.float32), np.ones(8, np.int16)), TypeError,
+     "bias: dtype int16"),
     (lambda x: cunorm.layer_norm(x, np.ones((2, 4), np.float32)), ValueError, "weight: shape"),
     (lambda x: cunorm.layer_norm(x, residual=x[:2]), ValueError, "residual: shape"),
     (lambda x: cunorm.layer_norm(x, residual_dtype="float32"), ValueError, "residual_dtype: given without"),

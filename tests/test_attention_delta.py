@@ -53,8 +53,10 @@ def test_numpy_reference_path(rng):
 @pytest.mark.parametrize("call,err,match", [
     (lambda: cunorm.attention_delta(np.ones((2, 4), np.float32), np.ones((2, 5), np.float32)), ValueError,
      "grad_out: shape"),
-    (lambda: cunorm.attention_delta(np.ones((2, 4), np.float64), np.ones((2, 4), np.float32)), TypeError,
-     "out: dtype float64"),
+    (lambda: cunorm.attention_delta(np.ones((2, 4), np.int64), np.ones((2, 4), np.float32)), TypeError,
+     "out: dtype int64"),
+    (lambda: cunorm.attention_delta(np.ones((2, 4), np.float32), np.ones((2, 4), np.complex64)), TypeError,
+     "grad_out: dtype complex64"),
     (lambda: cunorm.attention_delta([1.0], np.ones(1, np.float32)), TypeError, "out: expected"),
     (lambda: cunorm.attention_delta(np.ones((), np.float32), np.ones((), np.float32)), ValueError,
      "out: needs at least one axis"),

@@ -37,7 +37,7 @@ def test_check_without_gpu_exits_3(monkeypatch):
     assert res.exit_code == 3
 
 
-@pytest.mark.parametrize("args", [["check", "--dtypes", "fp64"], ["check", "--op", "sideways"],
+@pytest.mark.parametrize("args", [["check", "--dtypes", "fp8"], ["check", "--op", "sideways"],
                                   ["check", "--sizes", "ten"], ["nonsense"]])
 def test_usage_errors_exit_2(args):
     assert CliRunner().invoke(cli.main, args).exit_code == 2

@@ -104,8 +104,7 @@ def test_residual_zero_centered_and_out_dtype(device):
 
 @pytest.mark.filterwarnings("ignore:Input #:UserWarning")
 def test_gradcheck_fp32():
-    """torch.autograd.gradcheck of the functional forms (fp32: cunorm has no
-    float64 yet, so finite differences are loose)."""
+    """torch.autograd.gradcheck of the functional forms in fp32 (finite differences are loose)."""
     torch.manual_seed(2)
     x = torch.randn(4, 24, requires_grad=True)
     w = torch.randn(24, requires_grad=True)
@@ -115,6 +114,17 @@ def test_gradcheck_fp32():
     assert torch.autograd.gradcheck(lambda a, g, c: ct.layer_norm(a, None, g, c), (x, w, b), **kw)
     assert torch.autograd.gradcheck(lambda a, g: ct.rms_norm(a, None, g, 1e-5), (x, w), **kw)
     assert torch.autograd.gradcheck(lambda a, q, g: ct.rms_norm(a, None, g, 1e-5, residual=q), (x, r, w), **kw)
+
+
+@pytest.mark.filterwarnings("ignore:Input #:UserWarning")
+def test_gradcheck_fp64():
+    """gradcheck at its default (tight) tolerances: float64 runs in float64 end to end."""
+    torch.manual_seed(3)
+    x, r = (torch.randn(4, 24, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    w, b = (torch.randn(24, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    assert torch.autograd.gradcheck(lambda a, g, c: ct.layer_norm(a, None, g, c), (x, w, b))
+    assert torch.autograd.gradcheck(lambda a, q, g: ct.rms_norm(a, None, g, 1e-5, residual=q), (x, r, w))
+    assert torch.autograd.gradcheck(lambda a, q, g, c: ct.layer_norm(a, None, g, c, residual=q), (x, r, w, b))
 
 
 def test_state_dict_and_reset_parameters_match_torch():

@@ -51,7 +51,7 @@ def test_general_rows_may_hold_one_vector_more():
 
 def test_unsupported_dtype_is_rejected():
     with pytest.raises(ValueError, match="unsupported dtype"):
-        Traits(hidden_size=1024, input_dtype="float64")
+        Traits(hidden_size=1024, input_dtype="int8")
 
 
 def test_clusters_need_sm90():

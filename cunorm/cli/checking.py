@@ -19,7 +19,7 @@ from ..dispatch import measured
 @click.option("--sizes", callback=cli._csv(int), help="Hidden sizes, comma-separated (default: the tuned table "
               "plus a heuristic sample).")
 @click.option("--rows", callback=cli._csv(int), help="Row counts, comma-separated (default: 1,37,4096).")
-@click.option("--dtypes", "dtype_names", callback=cli._csv(cli._dtype_list), help="Input dtypes: fp32,fp16,bf16 (default all).")
+@click.option("--dtypes", "dtype_names", callback=cli._csv(cli._dtype_list), help="Input dtypes: fp64,fp32,fp16,bf16 (default all).")
 @click.option("--op", "--ops", "ops", type=click.Choice(list(cli.OP_NAMES)), multiple=True,
               help="Only these ops (repeatable): LayerNorm fwd/bwd, RMSNorm rms/rms-bwd, attention delta.")
 @click.option("--sweep", "sweeps", type=click.Choice(["tuned", "general", "flags", "pairwise"]), multiple=True,

@@ -10,7 +10,7 @@ value: checked when first seen, then looked up).
 from __future__ import annotations
 
 from .. import arrays, plan
-from ..launch import f32_bits
+from ..launch import f32_bits, f64_bits
 from ..source import check_source
 from . import calls, cpu, plans
 from .calls import BACKWARD, FORWARD, call_base  # noqa: F401  (call_base: the checker's dispatch fields)
@@ -22,7 +22,7 @@ def _objs_and_ptrs(args: dict, names: tuple) -> tuple:
     return objs, ptrs
 
 
-_EPS: dict = {}  # eps as given -> (float32 bits,): checked once per value
+_EPS: dict = {}  # eps as given -> (float32 bits, float64 bits) (plans.EPS_SCALARS): checked once per value
 _CALLS = plan.CALLS
 _call_key = plan.call_key
 
@@ -33,7 +33,8 @@ def _eps_bits(eps) -> tuple:
     except TypeError:  # unhashable: checked below, and refused
         bits = None
     if bits is None:
-        bits = (f32_bits(calls.check_eps(eps)),)
+        e = calls.check_eps(eps)
+        bits = (f32_bits(e), f64_bits(e))
         if len(_EPS) < 256:
             _EPS[eps] = bits
     return bits

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from .. import arrays, dtypes
 
+STATS_DTYPES = ("float32", "float64")  # what a backward takes mean and rstd in
 ABSENT_DTYPE = "float32"  # the dtype named for an absent weight, bias or residual (keeps one compile per shape)
 
 
@@ -137,9 +138,12 @@ def backward_args(rms, dy, x, mean, rstd, weight, has_bias, bias_dtype, dresidua
     dy_dtype = arrays.check_dtype(DY)
     arrays.check_shape(DY, X.array.shape, "x's shape")
     lead = tuple(X.array.shape[:-1])
+    # float32 or float64 statistics, whatever x is: the forward of a residual sum returns them in its x's
+    # compute dtype, which residual_out (the backward's x) need not share. Converted to the backward's
+    # compute dtype where they differ (`plans.backward_plan`; fp32 statistics limit fp64 dx to fp32 accuracy).
     for name in ("mean", "rstd"):
         if args[name] is not None:
-            arrays.check_dtype(args[name], ("float32",))
+            arrays.check_dtype(args[name], STATS_DTYPES)
             arrays.check_shape(args[name], lead, "x.shape[:-1]")
     w_dtype = _vector_arg(W, n)
     if DR is not None:

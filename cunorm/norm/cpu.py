@@ -2,8 +2,6 @@
 on the CPU and return numpy arrays in the dtypes the GPU path would."""
 from __future__ import annotations
 
-import numpy as np
-
 from .. import dtypes, reference
 
 
@@ -29,7 +27,7 @@ def forward(args: dict, base: dict, eps: float, rms: bool, return_stats: bool):
     if R is not None:
         values.append(h.astype(dtypes.numpy_dtype(base["residual_out_dtype"])))
     if return_stats:
-        values += [s.astype(np.float32) for s in stats]
+        values += [s.astype(dtypes.compute_dtype(base["input_dtype"])) for s in stats]
     return values[0] if len(values) == 1 else tuple(values)
 
 

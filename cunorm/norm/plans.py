@@ -14,9 +14,6 @@ from ..launch import CallPlan, Launch, Output, span
 from ..traits import Traits
 from .calls import BACKWARD, FORWARD, Direction
 
-F32 = np.dtype(np.float32)
-
-
 class Family:
     """The normalization kernel family, for cunorm.plan."""
 
@@ -64,6 +61,15 @@ class Prepared:
         step = period // math.gcd(period, t.rows_per_cta)
         # Down to whole periods (CTAs left over would run as a second wave, doubling the time), or up to one.
         return max(step, groups // step * step)
+
+
+# The per-call scalars of a forward call: eps as float32 bits and as float64 bits (`norm.eps_scalars`); a
+# kernel takes eps in its compute type.
+EPS_SCALARS = ("eps", "eps64")
+
+
+def eps_slot(t: Traits) -> tuple:
+    return ("f64", "eps64") if t.compute_dtype == "float64" else ("f32", "eps")
 
 
 def check_outputs(d: Direction, outputs: list, rows: dict, args: dict, n: int):
@@ -181,9 +187,10 @@ def forward_plan(args: dict, base: dict, traits, rms: bool, return_stats: bool, 
         outputs.append(Output("residual_out", shape, dtypes.numpy_dtype(base["residual_out_dtype"]),
                               p.rows["residual_out"].offset))
     if return_stats:
+        stats_dtype = np.dtype(t.compute_dtype)
         for name in ("rstd",) if rms else ("mean", "rstd"):
             picks.append(("made", len(outputs)))
-            outputs.append(Output(name, lead, F32))
+            outputs.append(Output(name, lead, stats_dtype))
     (copy_w, w_stride), (copy_b, b_stride) = _weight_layout(W, t), _weight_layout(B, t)
     copies = [name for name in FORWARD.row_inputs if p.rows[name] is not None and p.rows[name].copied]
     copies += ["weight"] * copy_w + ["bias"] * copy_b
@@ -194,10 +201,10 @@ def forward_plan(args: dict, base: dict, traits, rms: bool, return_stats: bool, 
             ("ptr", "x"), ("ptr", "residual"), ("ptr", "weight"), ("ptr", "bias"), ("ptr", "y"),
             ("ptr", "residual_out"), ("ptr", "mean"), ("ptr", "rstd"), ("i64", p.row_count), _ld(p.rows["x"]),
             _ld(p.rows["residual"]), _ld(y_row), _ld(p.rows.get("residual_out")), ("i64", w_stride),
-            ("i64", b_stride), ("f32", "eps")]))
+            ("i64", b_stride), eps_slot(t)]))
     return CallPlan(x.kind, device, FORWARD.arrays, tuple(launches), outputs=outputs, copies=copies,
                     given_out=None if O is None else ("out", "y"), spans=_spans(FORWARD, args),
-                    full_overlap_check=_overlap_check(FORWARD, p.n), scalars=("eps",), result=_picker(picks)), p
+                    full_overlap_check=_overlap_check(FORWARD, p.n), scalars=EPS_SCALARS, result=_picker(picks)), p
 
 
 def backward_plan(args: dict, base: dict, traits, rms: bool, source: str | None = None) -> tuple:
@@ -222,16 +229,22 @@ def backward_plan(args: dict, base: dict, traits, rms: bool, source: str | None 
             outputs.append(Output(name, (n,), dtypes.numpy_dtype(dtype)))
     copy_w, w_stride = _weight_layout(W, t)
     copies = [name for name in BACKWARD.row_inputs if p.rows[name] is not None and p.rows[name].copied]
-    # mean and rstd are read by row number: a strided view is copied (documented).
-    copies += [s for s in ("mean", "rstd") if args[s] is not None and not args[s].array.c_contiguous]
+    # mean and rstd are read by row number in the compute dtype: a strided view, or statistics of the other
+    # float dtype, are copied (documented).
+    stats_dtype = np.dtype(t.compute_dtype)
+    for s in ("mean", "rstd"):
+        a = None if args[s] is None else args[s].array
+        if a is not None and (not a.c_contiguous or a.dtype != stats_dtype):
+            copies.append(s if a.dtype == stats_dtype else (s, stats_dtype))
     copies += ["weight"] * copy_w
     launches, scratch, zeros = [], [], []
     sums = t.has_weight or t.has_bias
     if p.row_count:
         k = kernels["norm_bwd"]
         parts = p.grid_groups(k, t)
-        if sums:  # per-CTA column sums, one [parts, N] fp32 block each for dgamma and dbeta
-            scratch += [("dgamma_part", 4 * parts * n), ("dbeta_part", 4 * parts * n)]
+        if sums:  # per-CTA column sums, one [parts, N] compute_t block each for dgamma and dbeta
+            part_bytes = dtypes.itemsize(t.compute_dtype) * parts * n
+            scratch += [("dgamma_part", part_bytes), ("dbeta_part", part_bytes)]
         launches.append(Launch(k, parts * t.ctas_per_row, [
             ("ptr", "dy"), ("ptr", "x"), ("ptr", "dresidual"), ("ptr", "mean"), ("ptr", "rstd"), ("ptr", "weight"),
             ("ptr", "dx"), ("ptr", "dgamma_part"), ("ptr", "dbeta_part"), ("i64", p.row_count),

@@ -87,8 +87,9 @@ def _(x, weight, bias, residual, eps, rms, zero_centered, out_dtype, residual_ou
     y = x.new_empty(x.shape, dtype=out_dtype or x.dtype)
     residual_out = (x.new_empty(x.shape, dtype=residual_out_dtype or residual.dtype) if residual is not None
                     else x.new_empty(0))
-    rstd = x.new_empty(lead, dtype=torch.float32)
-    mean = x.new_empty(0, dtype=torch.float32) if rms else x.new_empty(lead, dtype=torch.float32)
+    stats = torch.float64 if x.dtype == torch.float64 else torch.float32  # dtypes.compute_dtype
+    rstd = x.new_empty(lead, dtype=stats)
+    mean = x.new_empty(0, dtype=stats) if rms else x.new_empty(lead, dtype=stats)
     return y, residual_out, mean, rstd
 
 
@@ -123,13 +124,14 @@ def _(dy, x, mean, rstd, weight, dresidual, rms, zero_centered, has_bias, bias_d
 
 @torch.library.custom_op("cunorm::attention_delta", mutates_args=())
 def attention_delta(out: Tensor, grad_out: Tensor) -> Tensor:
-    """D = rowsum(out * grad_out) in float32, shape out.shape[:-1] (not differentiable)."""
+    """D = rowsum(out * grad_out) in float32 (float64 when an input is), shape out.shape[:-1] (not differentiable)."""
     return _call(_attention_delta, out, grad_out)
 
 
 @attention_delta.register_fake
 def _(out, grad_out):
-    return out.new_empty(out.shape[:-1], dtype=torch.float32)
+    wide = torch.float64 in (out.dtype, grad_out.dtype)  # attention_delta.delta_dtype
+    return out.new_empty(out.shape[:-1], dtype=torch.float64 if wide else torch.float32)
 
 
 # -- autograd ---------------------------------------------------------------------

@@ -5,9 +5,10 @@ is `cunorm tune` (cunorm/cli/measuring.py).
 Each key of the table (cunorm.tables.Key: direction, LayerNorm or RMSNorm,
 residual, hidden size, input element bytes, general rows) is measured in
 three steps:
-1. rank: every launch shape (`candidates`), then the extras on the KEEP
-   fastest shapes (`refinements`), each compiled (kernels with local memory,
-   i.e. spills, are dropped) and timed once;
+1. rank: every launch shape (`candidates`) and what dispatch runs for the
+   call today, then the extras on the KEEP fastest shapes (`refinements`),
+   each compiled (kernels with local memory, i.e. spills, are dropped) and
+   timed once;
 2. finals: the FINALISTS fastest re-timed in `rounds` interleaved rounds, so
    that drift hits them alike; the best median wins;
 3. check: the winner runs against the float64 reference with its knobs
@@ -166,6 +167,16 @@ def refinements(shape: Traits, arch: int = 90) -> list:
         if 65536 // (t.min_ctas_per_sm * t.threads_per_cta) >= 64:  # a cap below 64 registers only spills
             out.append(t)
     return out
+
+
+def _incumbent(job: Job, arch: int, gpu) -> Traits | None:
+    """What dispatch picks for the job's call on this GPU today (its tables, the literal, the heuristic)."""
+    from .dispatch import choose
+
+    try:
+        return choose(arch=arch, gpu=gpu, **job.call_fields())[0]
+    except ValueError:
+        return None
 
 
 def compiles_clean(traits: Traits, device_id: int) -> bool:
@@ -393,6 +404,10 @@ def run(sizes=SIZES, ops=tuple(OPS), residuals=(False,), dtype_names=("bfloat16"
         print(f"{len(summary['skipped'])} of {len(jobs)} keys already in {path}: skipped (--fresh measures them "
               f"again)", file=out)
     shapes = {j: candidates(j.n, j.dtype, j.key.backward, arch, j.key.rms, j.key.residual, warps_n) for j in todo}
+    for j in todo:  # what dispatch runs today competes too: a new entry is never slower than it
+        incumbent = _incumbent(j, arch, gpu)
+        if shapes[j] and incumbent is not None and incumbent not in shapes[j]:
+            shapes[j].append(incumbent)
     for job in [j for j in todo if not shapes[j]]:  # nothing to time: say why, not "failed the check"
         todo.remove(job)
         summary["failed"].append(job.label())

@@ -95,6 +95,29 @@ def test_rows_far_from_zero_mean(dtype, rng):
             assert check.rel_l2(g, r) < check.TOLERANCE[dtype]
 
 
+@pytest.mark.parametrize("n", [1000, 4097, 65536])
+def test_float64_statistics_of_either_width(n, rng):
+    """A backward takes float32 or float64 statistics whatever x is: converted to its compute dtype (fp64 x with
+    fp32 statistics is then fp32-accurate, fp32 x with fp64 statistics as accurate as with its own)."""
+    import cupy
+
+    for x_dtype, given in (("float64", "float32"), ("float32", "float64"), ("float64", "float64")):
+        case = check.Case("layer_norm_backward", n, 37, x_dtype, x_dtype)
+        x, w, _, _ = check._inputs(case, rng)
+        dy = cupy.asarray(rng.standard_normal(x.shape)).astype(x.dtype)
+        _, mean, rstd = cunorm.reference.layer_norm(x, w)
+        stats = [cupy.asarray(s, dtype=given) for s in (mean, rstd)]
+        got = cunorm.layer_norm_backward(dy, x, *stats, w)
+        assert got[0].dtype == x.dtype
+        want = cunorm.reference.layer_norm_backward(dy, x, mean, rstd, w)
+        tol = check.TOLERANCE["float32" if "float32" in (x_dtype, given) else "float64"]
+        scale = check.dx_scale_of(dy, w, False, rstd)
+        for name, g, r in zip(("dx", "dweight", "dbias"), got, want):
+            assert check.rel_l2(g, r, scale if name == "dx" else 0.0) < tol, (x_dtype, given, name)
+        y, mean_out, rstd_out = cunorm.layer_norm(x, w, return_stats=True)
+        assert y.dtype == x.dtype and mean_out.dtype == rstd_out.dtype == np.dtype(dtypes.compute_dtype(x_dtype))
+
+
 def test_zero_rows_give_empty_outputs():
     import cupy
 
@@ -247,10 +270,24 @@ def test_backward_knobs(knobs, rng):
 
 
 @pytest.mark.parametrize("zero_centered", [False, True])
-def test_a_tuned_entry_that_spills_falls_back(zero_centered, rng):
-    """The backward entry tuned at N = 16384 spills for fp16 RMSNorm (tier B
-    shows it): the GPU path runs the heuristic's pick instead, spill-free,
-    and the result is right."""
+def test_a_tuned_entry_that_spills_falls_back(zero_centered, rng, tmp_path, monkeypatch):
+    """The backward entry of the sm_90 literal at N = 16384 spills for fp16
+    RMSNorm (tier B shows it): the GPU path runs the heuristic's pick instead,
+    spill-free, and the result is right. (No per-GPU table here: a GPU's own
+    table may hold another entry.)"""
+    from cunorm import tables
+
+    monkeypatch.setenv(tables.ENV_DIR, str(tmp_path))
+    monkeypatch.setattr(tables, "SHIPPED_DIR", tmp_path / "none")
+    tables.forget()
+    try:
+        _spilling_entry_falls_back(zero_centered, rng)
+    finally:
+        monkeypatch.undo()
+        tables.forget()  # the plans chosen without the tables go too
+
+
+def _spilling_entry_falls_back(zero_centered, rng):
     import cupy
 
     from cunorm import plan

@@ -16,9 +16,14 @@ KNOBS = dict(warps_m=1, warps_n=2, ctas_per_row=1, bytes_per_ldg=16, stages=1, c
              min_ctas_per_sm=1)
 
 
+REAL_SHIPPED_DIR = tables.SHIPPED_DIR
+
+
 @pytest.fixture(autouse=True)
 def cache_dir(tmp_path, monkeypatch):
+    """A fresh user cache folder, and no shipped tables (the tests below plant their own)."""
     monkeypatch.setenv(tables.ENV_DIR, str(tmp_path))
+    monkeypatch.setattr(tables, "SHIPPED_DIR", tmp_path / "no-shipped-tables")
     tables.forget()
     yield tmp_path
     tables.forget()
@@ -174,3 +179,22 @@ def test_no_home_folder_means_no_user_table_not_a_failure(monkeypatch):
     monkeypatch.setattr(Path, "home", classmethod(lambda cls: (_ for _ in ()).throw(RuntimeError("no home"))))
     tables.forget()
     assert dispatch.choose(arch=90, gpu=H200, **CALL)[1] == "tuned"
+
+
+@pytest.mark.parametrize("path", sorted(REAL_SHIPPED_DIR.glob("*.json")), ids=lambda p: p.name)
+def test_every_shipped_table_is_usable_and_every_entry_legal(path, monkeypatch):
+    """The tables in cunorm/shipped_tables: named for their GPU, read by this cunorm version, and every entry's
+    knobs legal for the contiguous call of its key (dispatch would otherwise skip it silently)."""
+    from cunorm import tune
+
+    raw = Table.from_json(path.read_text(), "shipped")
+    assert path.name == f"tuned-{raw.gpu.slug()}.json"
+    monkeypatch.setattr(tables, "SHIPPED_DIR", REAL_SHIPPED_DIR)
+    tables.forget()
+    table = tables.read(path, raw.gpu, "shipped")
+    assert table.entries
+    for key, entry in table.entries.items():
+        job = tune.Job.of(entry["measured_n"], entry["dtype"], key.backward, key.rms, key.residual)
+        assert job.key == key
+        traits, origin = dispatch.choose(arch=raw.gpu.cc, gpu=raw.gpu, **job.call_fields())
+        assert origin == f"shipped {raw.gpu.name} table" and traits.knobs() == {**traits.knobs(), **entry["knobs"]}

@@ -205,7 +205,9 @@ def test_a_rerun_skips_finished_keys_and_fresh_measures_them_again(gpu):
     res = run_tune("--sizes", "1024,4096", "--ops", "fwd")
     assert res.exit_code == 0 and gpu.timed == [] and tables.user_path(GPU).read_text() == before
     res = run_tune("--sizes", "1024,4096", "--ops", "fwd", "--fresh")
-    assert res.exit_code == 0 and len(gpu.timed) == first + second
+    # Both keys again (the counts differ a little: each key's saved entry now competes as the incumbent).
+    assert res.exit_code == 0 and {n for _, n, _, _ in gpu.timed} == {1024, 4096}
+    assert len(gpu.timed) > max(first, second)
     gpu.timed.clear()
     res = run_tune("--sizes", "4096", "--ops", "bwd", "--fresh")  # other entries stay
     assert res.exit_code == 0 and {k.n for k in saved().entries} == {1024, 4096} and len(saved().entries) == 3
@@ -394,3 +396,16 @@ def test_a_key_without_candidates_says_why_and_times_nothing(gpu):
     res = run_tune("--sizes", "1024", "--ops", "fwd", "--warps-n", "64")  # WARPS_N=64 is never legal
     assert res.exit_code == 1 and "no candidate traits to time" in res.output
     assert "float64" not in res.output and not gpu.timed and not tables.user_path(GPU).exists()
+
+
+def test_what_dispatch_runs_today_competes(gpu):
+    """The incumbent (here a user-table entry: a slow launch shape with extras only the fastest shapes try)
+    is timed beside the candidates, so a new entry is never one that loses to what it replaces."""
+    key = tune.Job.of(1024, "bfloat16").key
+    incumbent = dict(warps_m=4, warps_n=1, ctas_per_row=1, bytes_per_ldg=8, stages=4, cache_weights=False,
+                     min_ctas_per_sm=1, smem_accumulators=False, recompute=True)
+    table = tables.new_table(GPU)
+    table.put(key, incumbent, ms=1.0, fraction_of_copy=0.5, spread=[0.5, 0.5], dtype="bfloat16", measured_n=1024)
+    tables.save(table)
+    assert run_tune("--sizes", "1024", "--ops", "fwd", "--fresh").exit_code == 0
+    assert frozen(incumbent) in gpu.timed_knobs(key, 1024, "bfloat16")

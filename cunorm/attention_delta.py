@@ -12,10 +12,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import arrays, dtypes, kinds, plan, reference
+from . import arrays, dtypes, kinds, layout, plan, reference
 from .launch import CallPlan, Launch, Output
 
-MAX_LEAD_AXES = 3  # leading axes the kernel indexes with their own strides
 MAX_HEAD_DIM = 2048  # 32 threads x 64 elements (MAX_ELTS_PER_THREAD) at one element per load; half for fp64
 # Elements of each input one thread holds (VECS_PER_THREAD * ELTS_PER_LDG * ROWS_PER_THREAD); fp64 elements
 # count twice (two registers each).
@@ -156,24 +155,6 @@ class _Family:
         return heuristic(head_dim, out_dtype, grad_dtype, max_elts_per_ldg)
 
 
-def _row_axes(shape: tuple, *strides: tuple) -> tuple:
-    """Merges leading axes that are contiguous in every tensor. Returns
-    (sizes, [strides per tensor]) with size-1 axes dropped, or None when more
-    than MAX_LEAD_AXES remain."""
-    axes = [(n, [s[i] for s in strides]) for i, n in enumerate(shape) if n != 1]
-    merged = []
-    for n, st in axes:
-        if merged and all(ps == n * s for ps, s in zip(merged[-1][1], st)):
-            merged[-1] = (merged[-1][0] * n, st)
-        else:
-            merged.append((n, st))
-    if len(merged) > MAX_LEAD_AXES:
-        return None
-    while len(merged) < MAX_LEAD_AXES:
-        merged.insert(0, (1, [0] * len(strides)))
-    return [n for n, _ in merged], [[st[i] for _, st in merged] for i in range(len(strides))]
-
-
 def _max_elts(tensors, k: int, strides_per_tensor) -> int:
     """Widest vector (in elements) every pointer, leading stride and row
     length allows for 16-byte-or-narrower aligned loads."""
@@ -264,12 +245,12 @@ def layout_of(args: dict, copy: bool = True) -> tuple:
             copies[name] = "its last axis is not contiguous"
         tensors.append(arr)
     elem_strides = [tuple(s // t.itemsize for s in t.strides[:-1]) for t in tensors]
-    axes = _row_axes(lead, *elem_strides)
+    axes = layout.common_axes(lead, *elem_strides)
     if axes is None:  # documented: more than three non-mergeable leading axes are copied
         tensors = [contiguous(t) for t in tensors]
-        copies.update({n: f"more than {MAX_LEAD_AXES} leading axes after merging" for n in NAMES})
+        copies.update({n: f"more than {layout.MAX_ROW_AXES} leading axes after merging" for n in NAMES})
         elem_strides = [tuple(s // t.itemsize for s in t.strides[:-1]) for t in tensors]
-        axes = _row_axes(lead, *elem_strides)
+        axes = layout.common_axes(lead, *elem_strides)
     sizes, strides = axes
     call = dict(head_dim=k, out_dtype=dtypes.name_of(O.array.dtype),
                 grad_dtype=dtypes.name_of(args["grad_out"].array.dtype),

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
+import math
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -34,7 +35,9 @@ OPS = NORM_OPS + ("attention_delta",)
 SWEEPS = ("tuned", "general", "flags", "pairwise")
 # Row layouts of x, residual, dy and dresidual: "contiguous", "offset:K" (a view
 # K elements into its buffer), "stride:+D" (rows D elements apart beyond N).
-LAYOUTS = ("contiguous",) + tuple(f"offset:{k}" for k in range(1, 8)) + ("stride:+13", "stride:+64")
+# "qkv" (cases with heads only): the k slot of a fused [2, S + 1, 3, heads, N] buffer, sliced to S: three
+# leading axes whose strides do not merge.
+LAYOUTS = ("contiguous",) + tuple(f"offset:{k}" for k in range(1, 8)) + ("stride:+13", "stride:+64", "qkv")
 WEIGHT_LAYOUTS = ("contiguous", "broadcast", "strided", "offset")
 
 
@@ -72,11 +75,13 @@ class Case:
     dy_layout: str | None = None
     out_layout: str | None = None
     bias_layout: str | None = None
+    heads: int = 0  # > 0: row tensors are [2, rows / (2 * heads), heads, N] (the "qkv" layout needs it)
 
     def label(self) -> str:
         if self.op == "attention_delta":
             return f"{self.op} K={self.hidden_size} M={self.rows} out={self.dtype} grad={self.weight_dtype}"
         extras = [("no-weight", not self.has_weight), ("no-bias", not self.has_bias and not self.rms),
+                  ("bias", self.has_bias and self.rms),
                   (f"b={self.bias_dtype}", self.bias_dtype not in (None, self.weight_dtype)),
                   (f"out={self.out_dtype}", self.out_dtype not in (None, self.dtype)),
                   (f"residual={self.residual_dtype}", self.residual_dtype is not None),
@@ -88,13 +93,22 @@ class Case:
                   (f"out@{self.out_layout}", self.out_layout is not None),
                   (f"weight={self.weight_layout}", self.weight_layout != "contiguous"),
                   (f"bias@{self.bias_layout}", self.bias_layout not in (None, self.weight_layout)),
-                  ("in-place", self.in_place)]
+                  ("in-place", self.in_place), (f"heads={self.heads}", self.heads > 0)]
         flags = "".join(f" {text}" for text, on in extras if on)
         return f"{self.op} N={self.hidden_size} M={self.rows} x={self.dtype} w={self.weight_dtype}{flags}"
 
     @property
     def rms(self) -> bool:
         return self.op.startswith("rms_norm")
+
+    @property
+    def lead(self) -> tuple:
+        """The leading shape of every row tensor of the case."""
+        if not self.heads:
+            return (self.rows,)
+        if self.rows % (2 * self.heads):
+            raise ValueError(f"heads={self.heads}: rows ({self.rows}) must be a multiple of 2 * heads")
+        return (2, self.rows // (2 * self.heads), self.heads)
 
     @property
     def backward(self) -> bool:
@@ -248,6 +262,34 @@ def flag_cases(sizes=None, rows=(37,), dtypes_=dtypes.NAMES) -> list:
             cases.append(case(4096, m, "bfloat16", "bfloat16", residual_dtype="bfloat16", in_place=True))
             cases.append(Case(op, 1001, m, "bfloat16", "bfloat16", has_weight=False, has_bias=False,
                               residual_dtype="float32"))
+            if rms:  # RMSNorm with a bias (y = xhat * w + b)
+                for n, res in ((1024, None), (4097, "float32"), (65536, "bfloat16")):
+                    cases.append(Case(op, n, m, "bfloat16", "bfloat16", bias_dtype="float32", residual_dtype=res))
+                cases.append(Case(op, 1000, m, "float32", "bfloat16", has_weight=False))
+        cases += qkv_cases(op)
+    return cases
+
+
+QKV_HEAD_DIMS = (64, 100, 128, 256)  # 100: narrower loads (its rows are 4, not 8, elements aligned)
+
+
+def qkv_cases(op: str) -> list:
+    """Row tensors through three leading axes ([2, S, heads, N] views of a
+    fused QKV buffer, layout "qkv"): x, the residual, dy and `out=` each in
+    place or contiguous beside them, in place, fp32 and bf16, with and without
+    a residual and a bias."""
+    rms, backward = op.startswith("rms"), op.endswith("_backward")
+    m, heads = 64, 4
+    cases = []
+    for n in QKV_HEAD_DIMS:
+        for dt, res in (("bfloat16", None), ("float32", "bfloat16"), ("bfloat16", "float32")):
+            cases.append(Case(op, n, m, dt, dt, has_bias=not rms or res is None, residual_dtype=res, heads=heads,
+                              layout="qkv", residual_layout="contiguous" if res == "float32" else "qkv"))
+    cases.append(Case(op, 128, m, "bfloat16", "float32", has_bias=not rms, heads=heads, layout="contiguous",
+                      **({"dy_layout": "qkv"} if backward else {"residual_dtype": "bfloat16", "residual_layout": "qkv"})))
+    cases.append(Case(op, 128, m, "bfloat16", "bfloat16", has_bias=not rms, heads=heads, layout="qkv",
+                      out_layout="qkv"))
+    cases.append(Case(op, 128, m, "float16", "float16", has_bias=not rms, heads=heads, layout="qkv", in_place=True))
     return cases
 
 
@@ -268,8 +310,7 @@ def pairwise_factors(op: str, sizes=None, dtypes_=dtypes.NAMES) -> tuple:
         f.update(dy=d, dy_layout=PAIRWISE_LAYOUTS)
     else:
         f.update(out=d, residual_out=d)
-    if not rms:
-        f.update(bias=(None,) + d, bias_layout=WEIGHT_LAYOUTS)
+    f.update(bias=(None,) + d, bias_layout=WEIGHT_LAYOUTS)  # RMSNorm's bias too
     off = {("residual", None): ("residual_out", "residual_layout"), ("weight", None): ("zero_centered", "weight_layout"),
            ("bias", None): ("bias_layout",)}
     return f, off
@@ -362,6 +403,23 @@ def _layout_rows(name: str, layout_name: str, rows: int, n: int):
     return layout.Rows(name, None, rows, ld, offset)
 
 
+def _layout_tensor(layout_name: str, lead: tuple, n: int, dtype: str):
+    """A stand-in (no memory) of a row tensor in checker layout `layout_name`
+    with leading shape `lead`: its pointer (from an aligned buffer) and strides."""
+    from .kinds import Tensor
+
+    item = dtypes.itemsize(dtype)
+    kind, _, k = layout_name.partition(":")
+    if kind == "qkv":
+        b, s, h = lead
+        elems, offset = ((s + 1) * 3 * h * n, 3 * h * n, n, 1), h * n
+    else:
+        ld = n + int(k) if kind == "stride" else n
+        elems = tuple(ld * math.prod(lead[i + 1:]) for i in range(len(lead))) + (1,)
+        offset = int(k) if kind == "offset" else 0
+    return Tensor(None, None, offset * item, lead + (n,), tuple(e * item for e in elems), dtypes.numpy_dtype(dtype), -1)
+
+
 def delta_scale(o, go) -> float:
     """||rowsum(|o * grad_out|)||, the size of the terms each D is a sum of: an
     fp32 sum is accurate relative to them, not to a row whose terms cancel
@@ -380,11 +438,23 @@ def case_call(case: Case) -> dict:
     base = norm.call_base(rms=case.rms, backward=case.backward, hidden_size=n, input_dtype=case.dtype,
                           output_dtype=case.out_dtype or case.dtype,
                           weight_dtype=case.weight_dtype if case.has_weight else None,
-                          bias_dtype=(case.bias_dtype or case.weight_dtype) if case.has_bias and not case.rms
-                          else None,
+                          bias_dtype=(case.bias_dtype or case.weight_dtype) if case.has_bias else None,
                           residual_dtype=res, residual_out_dtype=None if case.backward else case.residual_out_dtype,
                           zero_centered=case.zero_centered)
     inputs = ["x"] + (["dy"] if case.backward else []) + (["residual"] if res is not None else [])
+    if case.heads:  # leading axes [2, S, heads]: three-axis rows where a layout does not merge them
+        named = {t: _layout_tensor(case.layout_of(t), case.lead, n, case.dtype) for t in inputs}
+        if not case.in_place and case.layout_of("out") is not None:
+            named["out"] = _layout_tensor(case.layout_of("out"), case.lead, n, case.dtype)
+        three = layout.three_axis_rows(named, n)
+        if three is not None:
+            rows = list(three.values())
+            if not case.in_place and case.layout_of("out") is None:
+                rows.append(layout.fresh_three_axis_rows("out", three["x"], n))
+            if res is not None and not case.backward:
+                rows.append(layout.fresh_three_axis_rows("residual_out", three["x"], n))
+            max_vector, aligned_vector = layout.vector_widths(rows, n, dtypes.itemsize(case.dtype))
+            return dict(base, max_vector=max_vector, aligned_vector=aligned_vector, row_axes=3)
     rows = [_layout_rows(t, case.layout_of(t), m, n) for t in inputs]
     mirrored = layout.mirrored_offset(rows[0], dtypes.itemsize(case.dtype))
     if not case.in_place:
@@ -396,28 +466,40 @@ def case_call(case: Case) -> dict:
     return dict(base, max_vector=max_vector, aligned_vector=aligned_vector)
 
 
+def _lead(case: Case) -> tuple | None:
+    return case.lead if case.heads else None
+
+
 def _fill(view, values):
     view[...] = values
     return view
 
 
-def row_tensor(gen, rows: int, n: int, dtype: str, layout: str, values):
-    """A (rows, n) array in `layout` holding `values` (a GPU array).
-    The rest of its buffer is NaN: a kernel that reads past a row's ends and
-    lets those lanes in cannot pass."""
+def row_tensor(gen, rows: int, n: int, dtype: str, layout: str, values, lead: tuple | None = None):
+    """A (rows, n) array in `layout` holding `values` (a GPU array of that
+    shape), shaped lead + (n,) when `lead` is given (`Case.lead`). The rest
+    of its buffer is NaN: a kernel that reads past a row's ends and lets
+    those lanes in cannot pass."""
     import cupy
 
     dt = dtypes.numpy_dtype(dtype)
+    shape = (lead or (rows,)) + (n,)
+    if layout == "qkv":
+        if lead is None or len(lead) != 3:
+            raise ValueError("layout: qkv needs a case with heads")
+        b, s, h = lead
+        buf = cupy.full((b, s + 1, 3, h, n), np.nan, dtype=dt)
+        return _fill(buf[:, :s, 1], values.reshape(shape))
     if layout == "contiguous":
-        return values.astype(dt)
+        return values.astype(dt).reshape(shape)
     kind, k = layout.split(":")
     k = int(k)
     if kind == "offset":
         buf = cupy.full(rows * n + k, np.nan, dtype=dt)
-        return _fill(buf[k:].reshape(rows, n), values)
+        return _fill(buf[k:].reshape(rows, n), values).reshape(shape)
     if kind == "stride":
         buf = cupy.full((rows, n + k), np.nan, dtype=dt)
-        return _fill(buf[:, :n], values)
+        return _fill(buf[:, :n], values).reshape(shape)
     raise ValueError(f"layout: unknown {layout!r}; expected one of {', '.join(LAYOUTS)}")
 
 
@@ -446,17 +528,17 @@ def _inputs(case: Case, rng):
     sign = g.randint(0, 2, size=(m, 1)) * 2.0 - 1.0
     shift = sign * g.uniform(1, 3, size=(m, 1))  # rows far from zero mean
     xv = standard_normal(g, (m, n), case.dtype) * float(rng.uniform(0.5, 2.0)) + shift
-    x = row_tensor(g, m, n, case.dtype, case.layout, xv)
+    x = row_tensor(g, m, n, case.dtype, case.layout, xv, _lead(case))
     w = (weight_vector(n, case.weight_dtype, case.weight_layout,
                        (1.0 + 0.5 * standard_normal(g, n, case.weight_dtype)) * (0.5 if case.zero_centered else 1.0))
          if case.has_weight else None)
     bdt = case.bias_dtype or case.weight_dtype
     b = (weight_vector(n, bdt, case.bias_layout or case.weight_layout, 0.5 * standard_normal(g, n, bdt))
-         if case.has_bias and not case.rms else None)
+         if case.has_bias else None)
     r = None
     if case.residual_dtype is not None and not case.backward:
         r = row_tensor(g, m, n, case.residual_dtype, case.layout_of("residual"),
-                       standard_normal(g, (m, n), case.residual_dtype))
+                       standard_normal(g, (m, n), case.residual_dtype), _lead(case))
     return x, w, b, r
 
 
@@ -468,7 +550,7 @@ def _given_out(case: Case, dtype: str):
     if case.out_layout is None:
         return None
     m, n = case.rows, case.hidden_size
-    return row_tensor(None, m, n, dtype, case.out_layout, cupy.full((m, n), np.nan, dtype=np.float32))
+    return row_tensor(None, m, n, dtype, case.out_layout, cupy.full((m, n), np.nan, dtype=np.float32), _lead(case))
 
 
 def case_kernels(cases, arch: int, spills=None, gpu=None):
@@ -563,7 +645,7 @@ def _run_forward(case: Case, rng, source=None) -> list:
     h = reference.add_residual(x, r)
     zc = case.zero_centered
     if case.rms:
-        y_ref, rstd_ref = reference.rms_norm(h, w, eps, zero_centered_weight=zc)
+        y_ref, rstd_ref = reference.rms_norm(h, w, eps, bias=b, zero_centered_weight=zc)
         stats_ref = [("rstd", rstd_ref)]
     else:
         y_ref, mean_ref, rstd_ref = reference.layer_norm(h, w, b, eps, zero_centered_weight=zc)
@@ -573,7 +655,7 @@ def _run_forward(case: Case, rng, source=None) -> list:
     if r is not None and case.residual_out_dtype is not None:
         kwargs["residual_dtype"] = case.residual_out_dtype
     with poisoned_allocations():
-        got = rms_norm(x, w, eps, **kwargs) if case.rms else layer_norm(x, w, b, eps, **kwargs)
+        got = rms_norm(x, w, eps, bias=b, **kwargs) if case.rms else layer_norm(x, w, b, eps, **kwargs)
     got = list(got)
     y = got.pop(0)
     results = [Result(case, "y", rel_l2(y, y_ref), tolerance(case.out_dtype or case.dtype, case.dtype))]
@@ -601,7 +683,7 @@ def dx_scale_of(dy, w, zero_centered: bool, rstd) -> float:
     it, where fp32 is accurate relative to the terms, not to dx. numpy or CuPy."""
     weight = reference._effective_weight(w, zero_centered)
     g = reference._f64(dy) * (weight if weight is not None else 1.0)
-    terms = g * reference._f64(rstd)[:, None]
+    terms = g * reference._f64(rstd)[..., None]
     return float((terms * terms).sum() ** 0.5)
 
 
@@ -614,11 +696,11 @@ def _run_backward(case: Case, rng, source=None) -> list:
     g = _gpu_rng(rng)
     m, n = case.rows, case.hidden_size
     dy = row_tensor(g, m, n, case.out_dtype or case.dtype, case.layout_of("dy"),
-                    standard_normal(g, (m, n), case.out_dtype or case.dtype))
+                    standard_normal(g, (m, n), case.out_dtype or case.dtype), _lead(case))
     dres = None
     if case.residual_dtype is not None:
         dres = row_tensor(g, m, n, case.residual_dtype, case.layout_of("residual"),
-                          standard_normal(g, (m, n), case.residual_dtype))
+                          standard_normal(g, (m, n), case.residual_dtype), _lead(case))
     stats_dtype = dtypes.compute_dtype(case.dtype)  # what the forward returns the statistics in
     zc = case.zero_centered
     eps = 1e-5
@@ -628,11 +710,14 @@ def _run_backward(case: Case, rng, source=None) -> list:
         _, rstd64 = reference.rms_norm(x, w, eps, zero_centered_weight=zc)
         rstd = cupy.asarray(rstd64, dtype=stats_dtype)
         # The reference takes the exact statistics, the op their rounding (what a forward returns).
-        refs = reference.rms_norm_backward(dy, x, rstd64, w, dresidual=dres, zero_centered_weight=zc)
+        refs = (*reference.rms_norm_backward(dy, x, rstd64, w, dresidual=dres, zero_centered_weight=zc),
+                reference.bias_grad(dy))
         dx_scale = dx_scale_of(dy, w, zc, rstd)  # before the call: dx may be written over dy
         with poisoned_allocations():
-            got = rms_norm_backward(dy, x, rstd, w, **kwargs)
-        names = ("dx", "dweight")
+            got = rms_norm_backward(dy, x, rstd, w, has_bias=case.has_bias, bias_dtype=case.bias_dtype, **kwargs)
+        names = ("dx", "dweight", "dbias")[:3 if case.has_bias else 2]
+        if len(got) != len(names):
+            return [Result(case, f"{len(got)} results, not {len(names)}", float("inf"), 0.0)]
     else:
         _, mean64, rstd64 = reference.layer_norm(x, w, None, eps, zero_centered_weight=zc)
         mean, rstd = cupy.asarray(mean64, dtype=stats_dtype), cupy.asarray(rstd64, dtype=stats_dtype)

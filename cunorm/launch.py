@@ -21,7 +21,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-_SLOT_TYPES = ("ptr", "i64", "i32", "u32", "f32", "f64")
+_SLOT_TYPES = ("ptr", "i64", "i32", "u32", "f32", "f64", "axes")
+AXES_SLOTS = 4  # a RowAxes parameter (kernels/norm_traits.cuh): three i64 strides, two u32 sizes
 _F32 = struct.Struct("<f")
 _U32 = struct.Struct("<I")
 _F64 = struct.Struct("<d")
@@ -42,19 +43,29 @@ class Launch:
     """One kernel launch. `args` lists the kernel's parameters in order:
     ("ptr", name) (a pointer among the call's values; 0 when absent),
     ("i64" | "i32" | "u32", int), ("f32" | "f64", float, or the name of a
-    per-call scalar: its bits, `f32_bits` / `f64_bits`). `bind` turns names into positions; a call then writes every
-    named slot with one `struct.pack_into` (constant slots are skipped, so
-    they keep what planning wrote) and launches."""
+    per-call scalar: its bits, `f32_bits` / `f64_bits`), ("axes", (s0, s1,
+    s2, d1, d2)) (a RowAxes struct, AXES_SLOTS slots). Each parameter starts
+    a slot of 8 bytes. `bind` turns names into positions; a call then writes
+    every named slot with one `struct.pack_into` (constant slots are skipped,
+    so they keep what planning wrote) and launches."""
 
     def __init__(self, kernel, grid: int, args: list):
         self.kernel, self.grid, self.args = kernel, grid, args
         self.function = kernel.function.kernel.ptr
         self.threads, self.smem = kernel.threads, kernel.smem
-        packed = np.zeros(max(1, len(args)), np.uint64)
-        for i, (kind, value) in enumerate(args):
+        firsts, total = [], 0  # each parameter's first slot
+        for kind, _ in args:
             if kind not in _SLOT_TYPES:
                 raise ValueError(f"unknown parameter kind {kind!r}")
-            if kind == "i64":
+            firsts.append(total)
+            total += AXES_SLOTS if kind == "axes" else 1
+        self.firsts = firsts
+        packed = np.zeros(max(1, total), np.uint64)
+        for i, (kind, value) in zip(firsts, args):
+            if kind == "axes":
+                packed.view(np.int64)[i:i + 3] = value[:3]
+                packed.view(np.uint32)[2 * (i + 3):2 * (i + 4)] = value[3:]
+            elif kind == "i64":
                 packed.view(np.int64)[i] = value
             elif kind in ("i32", "u32"):
                 packed.view(np.uint32)[2 * i] = np.uint32(value % 2**32)
@@ -64,8 +75,8 @@ class Launch:
                 packed.view(np.float64)[i] = value
         self.slots = array.array("Q", packed.tobytes())
         address = self.slots.buffer_info()[0]
-        # The parameter array cuLaunchKernel reads: the address of each slot.
-        self._params = array.array("Q", (address + 8 * i for i in range(len(self.slots))))
+        # The parameter array cuLaunchKernel reads: the address of each parameter's first slot.
+        self._params = array.array("Q", (address + 8 * i for i in firsts))
         self.params = self._params.buffer_info()[0]
         self._pack = None
 
@@ -75,7 +86,7 @@ class Launch:
         per-call slots are written by one `struct.pack_into` each (constant
         slots are never written again)."""
         runs = []  # [first slot, [positions]]
-        for i, (kind, value) in enumerate(self.args):
+        for i, (kind, value) in zip(self.firsts, self.args):
             at = positions.get(value) if kind == "ptr" or (kind in ("f32", "f64") and isinstance(value, str)) else None
             if at is None:
                 continue

@@ -2,9 +2,12 @@
 
 A row tensor is a pointer and a row stride: the last axis has unit stride and
 the leading axes merge into one row axis. Such tensors are read and written
-in place (slices of wider rows, offset views, fused buffers); any other layout
-of an input is copied to a contiguous array first (documented), and an output
-(`out=`) in such a layout is refused.
+in place (slices of wider rows, offset views, fused buffers). Where the
+leading axes of a call's row tensors do not merge into one but into at most
+MAX_ROW_AXES (q/k views [B, S, H, D] of a fused QKV buffer), every row tensor
+is read and written through its own strides of those axes (`RowAxes`, aligned
+rows only); any other layout of an input is copied to a contiguous array
+first (documented), and an output (`out=`) in such a layout is refused.
 
 Vector width. The kernels read a row in vectors of E elements aligned to E in
 memory. Every row tensor of a call must sit at the same offset from a vector
@@ -33,6 +36,14 @@ class Rows:
     ld: int  # elements from one row start to the next
     offset: int  # the pointer in elements (its position modulo E decides the row shift)
     copied: str = ""  # why a contiguous copy was made ("" when read in place)
+    axes: tuple | None = None  # (s0, s1, s2, d1, d2) in elements when the call's rows run through three axes
+
+    def strides(self) -> tuple:
+        """Every stride between rows that matters (elements)."""
+        if self.axes is None:
+            return (self.ld,) if self.rows > 1 else ()
+        s0, s1, s2, d1, d2 = self.axes
+        return tuple(s for s, size in ((s0, self.rows // max(1, d1 * d2)), (s1, d1), (s2, d2)) if size > 1)
 
 
 def fresh_rows(name: str, rows: int, n: int, offset: int) -> Rows:
@@ -41,6 +52,59 @@ def fresh_rows(name: str, rows: int, n: int, offset: int) -> Rows:
     mirrors x's position from a vector boundary, so that an offset view of x
     still meets its outputs on the same row shifts (`launch.Output`)."""
     return Rows(name, None, rows, n, offset)
+
+
+MAX_ROW_AXES = 3  # leading axes the kernels index with their own strides (attention_delta and the norms)
+
+
+def common_axes(shape: tuple, *strides: tuple) -> tuple | None:
+    """Merges the leading axes of `shape` that are contiguous in every one of
+    `strides` (element strides of the leading axes, one tuple per tensor).
+    Returns ([d0, d1, d2], [[s0, s1, s2] per tensor]) with size-1 axes
+    dropped and the outer ones padded with size 1, or None when more than
+    MAX_ROW_AXES remain."""
+    axes = [(n, [s[i] for s in strides]) for i, n in enumerate(shape) if n != 1]
+    merged = []
+    for n, st in axes:
+        if merged and all(ps == n * s for ps, s in zip(merged[-1][1], st)):
+            merged[-1] = (merged[-1][0] * n, st)
+        else:
+            merged.append((n, st))
+    if len(merged) > MAX_ROW_AXES:
+        return None
+    while len(merged) < MAX_ROW_AXES:
+        merged.insert(0, (1, [0] * len(strides)))
+    return [n for n, _ in merged], [[st[i] for _, st in merged] for i in range(len(strides))]
+
+
+def three_axis_rows(arrays: dict, n: int) -> dict | None:
+    """{name: Rows} reading every array (kinds.Tensor, shape (..., n), the
+    first one x) in place through the leading axes they share, when some
+    array's leading axes do not merge into one row stride but all arrays'
+    merge into at most MAX_ROW_AXES (with a unit last-axis stride); None
+    otherwise (one row stride each does, or the layout needs copies)."""
+    arrs = list(arrays.values())
+    shape = tuple(arrs[0].shape)
+    if len(shape) < 3 or any(n > 1 and a.strides[-1] != a.itemsize for a in arrs):
+        return None
+    if any(a.ptr % a.itemsize or any(s % a.itemsize for s in a.strides) for a in arrs):
+        return None  # check_elements names it
+    elem = [tuple(s // a.itemsize for s in a.strides[:-1]) for a in arrs]
+    if all(row_stride(shape, e + (1,), n) is not None for e in elem):
+        return None
+    found = common_axes(shape[:-1], *elem)
+    rows = math.prod(shape[:-1])
+    if found is None or rows >= 2**32 or any(s < 0 for st in found[1] for s in st):
+        return None
+    (_, d1, d2), strides = found
+    return {name: Rows(name, a, rows, st[2], a.ptr // a.itemsize, axes=(*st, d1, d2))
+            for (name, a), st in zip(arrays.items(), strides)}
+
+
+def fresh_three_axis_rows(name: str, x: Rows, n: int) -> Rows:
+    """A fresh contiguous output beside three-axis rows: its strides in x's axes."""
+    _, _, _, d1, d2 = x.axes
+    return Rows(name, None, x.rows, n, 0, axes=(d1 * d2 * n, d2 * n, n, d1, d2))
 
 
 def mirrored_offset(x: Rows, itemsize: int) -> int:
@@ -90,7 +154,7 @@ def rows_of(a: Arg, n: int, *, output: bool = False) -> Rows:
         return Rows(a.name, arr, rows, ld, arr.ptr // arr.itemsize)
     if ld is None:
         why = (f"last-axis stride {arr.strides[-1] // arr.itemsize}" if n > 1 and arr.strides[-1] != arr.itemsize
-               else "leading axes that do not merge into one row stride")
+               else "leading axes that merge neither into one row stride nor into three the call shares")
         copy = arr.kind.describe(arr.kind.copy(arr.obj))
         return Rows(a.name, copy, rows, n, copy.ptr // copy.itemsize, f"copied to a contiguous array ({why})")
     return Rows(a.name, arr, rows, ld, arr.ptr // arr.itemsize)
@@ -101,6 +165,14 @@ def vector_widths(row_tensors: list, n: int, x_itemsize: int) -> tuple:
     rows), both powers of two of at most 16 bytes of x. The first row tensor is x."""
     x = row_tensors[0]
     widest = dtypes.vector_elements(x_itemsize)
+    if x.axes is not None:  # three-axis rows: aligned rows only, E dividing every pointer and stride
+        bits = n
+        for t in row_tensors:
+            bits |= t.offset
+            for s in t.strides():
+                bits |= s
+        e = _widest_dividing(bits, widest)
+        return e, e
     # E divides every offset and row-stride difference from x's (and, for aligned rows, x's own and N):
     # the lowest set bit of their OR bounds it.
     spread = 0
@@ -126,8 +198,9 @@ def why_not_aligned(row_tensors: list, n: int, e: int) -> list:
     for t in row_tensors:
         if t.offset % e:
             reasons.append(f"{t.name} starts {t.offset % e} elements past a {e}-element boundary")
-        if t.rows > 1 and t.ld % e:
-            reasons.append(f"{t.name}'s row stride {t.ld} is not a multiple of {e} elements")
+        for s in t.strides():
+            if s % e:
+                reasons.append(f"{t.name}'s row stride {s} is not a multiple of {e} elements")
         if t is not x and ((t.offset - x.offset) % e or (x.rows > 1 and (t.ld - x.ld) % e)):
             reasons.append(f"{t.name} and {x.name} sit at different offsets from {e}-element boundaries")
     return reasons
@@ -157,8 +230,8 @@ def rows_overlap(a: Rows, b: Rows, n: int) -> bool:
     if a1 <= b0 or b1 <= a0:
         return False
     la, lb = a.ld * a.array.itemsize, b.ld * b.array.itemsize
-    if a.rows <= 1 or b.rows <= 1 or la != lb or la <= 0:
-        return True
+    if a.rows <= 1 or b.rows <= 1 or la != lb or la <= 0 or a.axes is not None or b.axes is not None:
+        return True  # extents meet: taken as an overlap (three-axis rows: interleaved views are refused)
     # Row i of a against row j of b: d + k * L in (-nb, na) for some k = i - j in [-(rows_b - 1), rows_a - 1].
     d, na, nb = a.array.ptr - b.array.ptr, n * a.array.itemsize, n * b.array.itemsize
     k = max(-(b.rows - 1), (-nb - d) // la + 1)
@@ -173,7 +246,7 @@ def check_outputs(outputs: list, inputs: list, n: int, in_place: dict):
         for t in inputs + outputs[:i]:
             if t is None or t.array.size == 0 or o.array.size == 0:
                 continue
-            same = (isinstance(t, Rows) and t.array.ptr == o.array.ptr and t.ld == o.ld
+            same = (isinstance(t, Rows) and t.array.ptr == o.array.ptr and t.ld == o.ld and t.axes == o.axes
                     and t.array.dtype == o.array.dtype and t.rows == o.rows)
             if same and t.name in in_place.get(o.name, ()):
                 continue

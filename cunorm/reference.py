@@ -76,15 +76,22 @@ def layer_norm_backward(dy, x, mean, rstd, weight=None, *, dresidual=None, zero_
     return dx, dweight, dbias
 
 
-def rms_norm(x, weight=None, eps: float = 1e-6, *, zero_centered_weight: bool = False):
-    """(y, rstd): y = x * rstd * w with rstd = 1 / sqrt(mean(x^2) + eps), float64.
+def rms_norm(x, weight=None, eps: float = 1e-6, *, bias=None, zero_centered_weight: bool = False):
+    """(y, rstd): y = x * rstd * w (+ bias) with rstd = 1 / sqrt(mean(x^2) + eps), float64.
     With a residual, pass `add_residual(x, residual)` as x. A row holding inf or NaN gives NaN."""
     x = _f64(x)
     with np.errstate(all="ignore"):
         (rstd,) = _nan_rows(x, ((x * x).mean(axis=-1) + eps) ** -0.5)
         y = x * rstd[..., None]
     w = _effective_weight(weight, zero_centered_weight)
-    return (y * w if w is not None else y), rstd
+    y = y * w if w is not None else y
+    return (y + _f64(bias) if bias is not None else y), rstd
+
+
+def bias_grad(dy):
+    """dbias = the column sums of dy over every leading axis, float64."""
+    dy = _f64(dy)
+    return dy.sum(axis=tuple(range(dy.ndim - 1)))
 
 
 def rms_norm_backward(dy, x, rstd, weight=None, *, dresidual=None, zero_centered_weight: bool = False):

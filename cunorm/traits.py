@@ -62,7 +62,7 @@ class Traits:
     recompute: (backward) recompute xhat and dy * gamma after the row reduction
       (fewer registers) instead of holding them (fewer instructions).
     has_weight / has_bias: whether gamma / beta are present.
-    rms: RMSNorm (no mean, no bias) rather than LayerNorm.
+    rms: RMSNorm (no mean) rather than LayerNorm; with has_bias, y = xhat * w + b.
     has_residual: forward: x + residual is normalized and stored; backward:
       dresidual is added into dx.
     zero_centered: the weight multiplies as (1 + gamma).
@@ -70,6 +70,9 @@ class Traits:
       long (the fast path); otherwise the general kernel reads each row in the
       aligned frame around it and masks the lanes outside the row.
     backward: the backward kernel (dx, dgamma, dbeta) rather than the forward.
+    row_axes: 1 (rows one stride apart) or 3 (rows through up to three leading
+      axes with their own strides, e.g. q/k views of a fused QKV buffer; aligned
+      rows only).
     """
 
     hidden_size: int
@@ -98,6 +101,7 @@ class Traits:
     zero_centered: bool = False
     aligned_rows: bool = True
     backward: bool = False
+    row_axes: int = 1
 
     KNOBS = KNOBS  # what `traits=` may force and tuning varies
 
@@ -264,7 +268,8 @@ class Traits:
         rule(1 <= self.stages <= 8, "STAGES must be 1..8")
         rule(self.stages == 1 or all(self.elts_per_ldg * dtypes.itemsize(d) >= 4 for d in self.staged_dtypes),
              "staged rows need vectors of >= 4 bytes of every staged row tensor (cp.async moves 4-16 bytes)")
-        rule(not (self.rms and self.has_bias), "RMSNorm has no bias")
+        rule(self.row_axes in (1, 3), "ROW_AXES must be 1 or 3")
+        rule(self.row_axes == 1 or self.aligned_rows, "rows through three leading axes must be aligned rows")
         rule(not self.zero_centered or self.has_weight, "a zero-centered weight needs a weight")
         rule(1 <= self.min_ctas_per_sm and self.min_ctas_per_sm * self.threads_per_cta <= 2048,
              "MIN_CTAS_PER_SM must be >= 1 and fit 2048 threads per SM")
@@ -293,7 +298,8 @@ class Traits:
     def short(self) -> str:
         flags = "".join(f" {name}" for name, on in (("rms", self.rms), ("residual", self.has_residual),
                                                      ("zero-centered", self.zero_centered),
-                                                     ("general", not self.aligned_rows)) if on)
+                                                     ("general", not self.aligned_rows),
+                                                     ("3-axis-rows", self.row_axes == 3)) if on)
         if self.has_residual:  # the residual read and residual_out written: two tensors, a dtype each
             flags += (f" dresidual={self.residual_dtype}" if self.backward else
                       f" residual={self.residual_dtype}->{self.residual_out_dtype}")
@@ -333,6 +339,7 @@ class Traits:
             "HAS_RESIDUAL": "true" if self.has_residual else "false",
             "ZERO_CENTERED": "true" if self.zero_centered else "false",
             "ALIGNED_ROWS": "true" if self.aligned_rows else "false",
+            "ROW_AXES": self.row_axes,
             "CACHE_WEIGHTS": "true" if self.cache_weights else "false",
             "MIN_CTAS_PER_SM": self.min_ctas_per_sm,
             "STAGES": self.stages,

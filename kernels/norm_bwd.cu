@@ -80,7 +80,7 @@ struct ColumnSums {
 // element j + shift_m of the frame: element by element; with one row a CTA
 // (a cluster's CTAs) only this CTA's slots, otherwise every column.
 __device__ __forceinline__ void fold_slots(const AccVec* slots, compute_t* part, const Coords& at, const void* x,
-                                           long long ldx) {
+                                           row_stride_t ldx) {
   if constexpr (ALIGNED_ROWS || WARPS_M == 1) {
     for (int s = threadIdx.x; s < LDGS * THREADS_PER_ROW; s += THREADS_PER_CTA) {
       const int vec = at.cta_rank * THREADS_PER_ROW + s % THREADS_PER_ROW + s / THREADS_PER_ROW * VEC_COLS_PER_LDG;
@@ -124,7 +124,8 @@ extern "C" __global__ void __launch_bounds__(THREADS_PER_CTA, MIN_CTAS_PER_SM) C
 norm_bwd(const output_t* dy, const input_t* x, const residual_t* dresidual,
          const compute_t* __restrict__ mean, const compute_t* __restrict__ rstd, const weight_t* __restrict__ gamma,
          input_t* dx, compute_t* __restrict__ dgamma_part, compute_t* __restrict__ dbeta_part,  // [groups, COLS]
-         long long rows, long long ldx, long long lddy, long long ldres, long long lddx, long long gamma_stride) {
+         long long rows, row_stride_t ldx, row_stride_t lddy, row_stride_t ldres, row_stride_t lddx,
+         long long gamma_stride) {
   using InVec = Vec<input_t, ELTS_PER_LDG>;
   using GradVec = Vec<output_t, ELTS_PER_LDG>;
   using ResVec = Vec<residual_t, ELTS_PER_LDG>;

@@ -22,7 +22,7 @@ extern "C" __global__ void __launch_bounds__(THREADS_PER_CTA, MIN_CTAS_PER_SM) C
 norm_fwd(const input_t* x, const residual_t* residual, const weight_t* __restrict__ gamma,
          const bias_t* __restrict__ beta, output_t* y, residual_out_t* residual_out,
          compute_t* __restrict__ mean_out, compute_t* __restrict__ rstd_out,  // may be null
-         long long rows, long long ldx, long long ldr, long long ldy, long long ldro,
+         long long rows, row_stride_t ldx, row_stride_t ldr, row_stride_t ldy, row_stride_t ldro,
          long long gamma_stride, long long beta_stride, compute_t eps) {
   using InVec = Vec<input_t, ELTS_PER_LDG>;
   using ResVec = Vec<residual_t, ELTS_PER_LDG>;

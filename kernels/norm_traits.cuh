@@ -34,6 +34,11 @@ constexpr bool ALIGNED_ROWS = ${ALIGNED_ROWS};
 constexpr bool CACHE_WEIGHTS = ${CACHE_WEIGHTS};
 constexpr int MIN_CTAS_PER_SM = ${MIN_CTAS_PER_SM};
 constexpr int STAGES = ${STAGES};  // rows in flight per thread (>= 2: staged in shared memory)
+// How a row tensor's rows are found: one row stride (1), or up to three leading
+// axes with their own strides (3: e.g. q/k views [B, S, H, D] of a fused QKV
+// buffer, whose leading strides do not merge into one). Aligned rows only.
+#define CN_ROW_AXES ${ROW_AXES}
+constexpr int ROW_AXES = CN_ROW_AXES;
 
 constexpr int THREADS_PER_WARP = 32;
 constexpr int THREADS_PER_ROW = WARPS_N * THREADS_PER_WARP;
@@ -62,8 +67,30 @@ static_assert(CTAS_PER_ROW == 1 || WARPS_M == 1, "several CTAs per row need WARP
 static_assert(STAGES >= 1 && STAGES <= 8, "STAGES must be 1..8");
 static_assert(MIN_CTAS_PER_SM >= 1 && MIN_CTAS_PER_SM * THREADS_PER_CTA <= 2048,
               "MIN_CTAS_PER_SM must be >= 1 and fit 2048 threads per SM");
-static_assert(!RMS || !HAS_BIAS, "RMSNorm has no bias");
+static_assert(ROW_AXES == 1 || ROW_AXES == 3, "ROW_AXES must be 1 or 3");
+static_assert(ROW_AXES == 1 || ALIGNED_ROWS, "rows through three leading axes must be aligned rows");
 static_assert(!ZERO_CENTERED || HAS_WEIGHT, "a zero-centered weight needs a weight");
+
+// The rows of one row tensor with ROW_AXES == 3: row r = (i0, i1, i2) in C
+// order over leading sizes (d0, d1, d2) starts at i0 * s0 + i1 * s1 + i2 * s2.
+struct RowAxes {
+  long long s0, s1, s2;
+  unsigned d1, d2;
+};
+template <int AXES> struct RowStrideOf { using type = long long; };
+template <> struct RowStrideOf<3> { using type = RowAxes; };
+using row_stride_t = typename RowStrideOf<CN_ROW_AXES>::type;  // a row tensor's kernel parameter
+
+// Elements from a row tensor's start to row `row`.
+__device__ __forceinline__ long long row_offset(long long ld, long long row) { return row * ld; }
+__device__ __forceinline__ long long row_offset(const RowAxes& a, long long row) {
+  const unsigned r = static_cast<unsigned>(row), q = r / a.d2;  // the host keeps rows below 2^32
+  return static_cast<long long>(q / a.d1) * a.s0 + static_cast<long long>(q % a.d1) * a.s1 +
+         static_cast<long long>(r % a.d2) * a.s2;
+}
+// Whether rows are at least one vector apart (only the general kernel, with one row stride, asks).
+__device__ __forceinline__ bool rows_a_vector_apart(long long ld) { return ld >= ELTS_PER_LDG; }
+__device__ __forceinline__ bool rows_a_vector_apart(const RowAxes&) { return false; }
 
 #if CN_CTAS_PER_ROW > 1
 #define CN_CLUSTER_DIMS __cluster_dims__(CN_CTAS_PER_ROW, 1, 1)
@@ -98,7 +125,7 @@ struct Coords {
   // past that code instead of running it predicated off.
   bool edge;
 
-  __device__ __forceinline__ Coords(const void* x, long long ldx) {
+  __device__ __forceinline__ Coords(const void* x, row_stride_t ldx) {
     const int warp = threadIdx.x / THREADS_PER_WARP;
     lane = threadIdx.x % THREADS_PER_WARP;
     warp_m = warp / WARPS_N;
@@ -117,10 +144,10 @@ struct Coords {
     }
   }
   // The shift of `row` of a row tensor at `x` with row stride `ldx` (elements).
-  static __device__ __forceinline__ int shift_of(const void* x, long long ldx, long long row) {
+  static __device__ __forceinline__ int shift_of(const void* x, row_stride_t ldx, long long row) {
     if constexpr (ALIGNED_ROWS) return 0;
     const long long first = static_cast<long long>(reinterpret_cast<unsigned long long>(x) / sizeof(input_t));
-    return static_cast<int>((first + row * ldx) % ELTS_PER_LDG);
+    return static_cast<int>((first + row_offset(ldx, row)) % ELTS_PER_LDG);
   }
   // Vector column of LDG step `it`, and whether it holds any element of the row.
   __device__ __forceinline__ int vec(int it) const { return col + it * VEC_COLS_PER_LDG; }
@@ -152,9 +179,9 @@ struct Coords {
   // column added at each access, which keeps fewer registers live in the
   // register-capped shapes it is tuned to (the general form spills there).
   template <typename T>
-  __device__ __forceinline__ T* frame(T* base, long long row, long long ld) const {
-    if constexpr (ALIGNED_ROWS) return base + row * ld;
-    else return base + (row * ld - shift + col * ELTS_PER_LDG);
+  __device__ __forceinline__ T* frame(T* base, long long row, row_stride_t ld) const {
+    if constexpr (ALIGNED_ROWS) return base + row_offset(ld, row);
+    else return base + (row_offset(ld, row) - shift + col * ELTS_PER_LDG);
   }
   __device__ __forceinline__ int from_frame(int it) const {
     return ALIGNED_ROWS ? vec(it) : it * VEC_COLS_PER_LDG;
@@ -210,8 +237,8 @@ __device__ __forceinline__ void mask_row(V (&v)[LDGS], const Coords& at) {
 // the last row (or rows closer than a vector), whose end may be the end of
 // the allocation. (Bytes before a row's start, down to a vector boundary, are
 // always in the same allocation, which is aligned.)
-__device__ __forceinline__ bool tail_inside(long long row, long long ld, long long rows) {
-  return row + 1 < rows && ld >= ELTS_PER_LDG;
+__device__ __forceinline__ bool tail_inside(long long row, row_stride_t ld, long long rows) {
+  return row + 1 < rows && rows_a_vector_apart(ld);
 }
 
 // Loads this thread's vectors of `row` (zeros past the last row; lanes
@@ -219,7 +246,7 @@ __device__ __forceinline__ bool tail_inside(long long row, long long ld, long lo
 // across the row's ends; element by element only at the end of the last row.
 template <typename T>
 __device__ __forceinline__ void load_row(Vec<T, ELTS_PER_LDG> (&v)[LDGS], const T* base, long long row,
-                                         long long ld, long long rows, const Coords& at) {
+                                         row_stride_t ld, long long rows, const Coords& at) {
   const bool row_ok = row < rows;
   const bool tail_ok = tail_inside(row, ld, rows);
   const T* f = at.frame(base, row, ld);
@@ -277,10 +304,11 @@ template <typename T, bool ACTIVE = true>
 struct RowPipe {
   using V = Vec<T, ELTS_PER_LDG>;
   const T* base;
-  long long ld, rows;
+  row_stride_t ld;
+  long long rows;
   V* slots;  // this thread's slot of stage 0, LDG step 0
 
-  __device__ __forceinline__ RowPipe(unsigned char* smem, const T* base_, long long ld_, long long rows_,
+  __device__ __forceinline__ RowPipe(unsigned char* smem, const T* base_, row_stride_t ld_, long long rows_,
                                      const Coords& at)
       : base(base_), ld(ld_), rows(rows_),
         slots(reinterpret_cast<V*>(smem) + at.warp_m * LDGS * THREADS_PER_ROW + at.warp_n * THREADS_PER_WARP +

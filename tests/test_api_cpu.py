@@ -280,3 +280,25 @@ def test_cached_out_rechecks_overlap_as_the_first_call(backward, fake_gpu):
     objs = list(objs_of(None))
     objs[d.arrays.index("out")] = objs[d.arrays.index("dy" if backward else "x")]  # in place
     assert call.run(tuple(objs), ptrs(objs)) is objs[-1]
+
+
+def test_qk_views_of_a_fused_buffer_and_rmsnorm_bias_on_the_numpy_path(rng):
+    """q/k views [B, S, H, D] of a fused QKV buffer (leading strides that do not merge) are laid out through
+    three axes, checked like GPU calls (in place allowed, an out= interleaved with x refused), and RMSNorm takes a
+    bias: y = xhat * w + b, whose gradient the backward returns with has_bias=True."""
+    qkv = rng.standard_normal((2, 5, 3, 4, 64)).astype(np.float32)
+    q, k = qkv[:, :, 0], qkv[:, :, 1]
+    w, b = rng.standard_normal(64).astype(np.float32), rng.standard_normal(64).astype(np.float32)
+    ex = cunorm.explain("rms_norm", q, w, out=q)
+    assert "3-axis-rows" in str(ex) and "copied" not in str(ex)
+    q64 = q.astype(np.float64)
+    want = q64 / np.sqrt((q64 ** 2).mean(-1, keepdims=True) + 1e-6) * w + b
+    y, rstd = cunorm.rms_norm(q, w, bias=b, return_stats=True)
+    assert y.shape == q.shape and np.abs(y - want).max() < 1e-5
+    assert cunorm.rms_norm(q, w, bias=b, out=q) is q and np.abs(q - want).max() < 1e-5
+    with pytest.raises(ValueError, match="out: shares memory with x"):  # interleaved extents: refused
+        cunorm.rms_norm(k, w, out=qkv[:, :, 2])
+    dy = rng.standard_normal(q.shape).astype(np.float32)
+    dx, dw, db = cunorm.rms_norm_backward(dy, k, rstd, w, has_bias=True)
+    np.testing.assert_allclose(db, dy.astype(np.float64).sum((0, 1, 2)), rtol=1e-5)
+    assert len(cunorm.rms_norm_backward(dy, k, rstd, w)) == 2

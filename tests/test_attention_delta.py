@@ -6,7 +6,8 @@ import pytest
 
 import cunorm
 from cunorm import DeltaTraits, check, compile_only, dtypes
-from cunorm.attention_delta import _row_axes, heuristic
+from cunorm.attention_delta import heuristic
+from cunorm.layout import common_axes
 
 HEAD_DIMS = (1, 3, 8, 63, 64, 80, 96, 128, 192, 256, 512)
 PAIRS = list(itertools.product(dtypes.NAMES, repeat=2))
@@ -35,11 +36,11 @@ def test_heuristic_is_legal_for_every_head_dim(k, pair):
 def test_row_axes_merge_contiguous_leading_axes():
     # [B, M, H, K] view into a [B, M, H*K] buffer (strides in elements): all leading axes merge for
     # a contiguous grad, and stay apart for a [B, H, M, K]-ordered out.
-    sizes, (a, b) = _row_axes((2, 5, 3), (5 * 3 * 64, 3 * 64, 64), (5 * 3 * 64, 3 * 64, 64))
+    sizes, (a, b) = common_axes((2, 5, 3), (5 * 3 * 64, 3 * 64, 64), (5 * 3 * 64, 3 * 64, 64))
     assert sizes == [1, 1, 30] and a == [0, 0, 64] and b == [0, 0, 64]
-    sizes, (a, b) = _row_axes((2, 5, 3), (3 * 5 * 64, 64, 5 * 64), (5 * 3 * 64, 3 * 64, 64))
+    sizes, (a, b) = common_axes((2, 5, 3), (3 * 5 * 64, 64, 5 * 64), (5 * 3 * 64, 3 * 64, 64))
     assert sizes == [2, 5, 3] and a == [320 * 3, 64, 320] and b == [15 * 64, 3 * 64, 64]
-    assert _row_axes((2, 2, 2, 2), (1, 100, 10, 1000), (8, 4, 2, 1)) is None
+    assert common_axes((2, 2, 2, 2), (1, 100, 10, 1000), (8, 4, 2, 1)) is None
 
 
 def test_numpy_reference_path(rng):

@@ -384,11 +384,46 @@ def test_gpu_bad_inputs(rng):
 
 
 def test_non_row_layouts_are_copied(rng):
-    """A transposed x and an axis-permuted 3-D x: copied (documented), correct."""
+    """A transposed x (last-axis stride 64) and a 4-D x whose leading axes
+    merge into four: copied (documented), correct. An axis-permuted 3-D x (two
+    leading axes) is read in place through its strides."""
     x = _buffer((1000, 64), "bfloat16", rng).T
     assert check.rel_l2(cunorm.layer_norm(x), cunorm.reference.layer_norm(x)[0]) < 8e-3
+    x4 = _buffer((3, 5, 7, 11, 32), "float32", rng).transpose(1, 0, 3, 2, 4)
+    assert "copied" in str(cunorm.explain("rms_norm", x4))
+    assert check.rel_l2(cunorm.rms_norm(x4), cunorm.reference.rms_norm(x4)[0]) < 1e-5
     x3 = _buffer((4, 300, 96), "float32", rng).transpose(1, 0, 2)
+    assert "copied" not in str(cunorm.explain("rms_norm", x3))
     assert check.rel_l2(cunorm.rms_norm(x3), cunorm.reference.rms_norm(x3)[0]) < 1e-5
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_qk_norm_of_a_fused_qkv_buffer_in_place(dtype, rng):
+    """q and k of a fused [B, S, 3, H, D] projection normalized in place over
+    the head dim (Qwen3/OLMo2-style q/k-norm), forward and backward through
+    their own strides: the rest of the buffer is untouched, nothing copied."""
+    import cupy
+
+    b, s, h, d = 2, 33, 8, 128
+    qkv = _buffer((b, s, 3, h, d), dtype, rng)
+    before = qkv.copy()
+    w = cupy.asarray(rng.standard_normal(d) * 0.5 + 1).astype(qkv.dtype)
+    q, k = qkv[:, :, 0], qkv[:, :, 1]
+    assert "copied" not in str(cunorm.explain("rms_norm", q, w, out=q))
+    want_q = cunorm.reference.rms_norm(q, w)[0]
+    want_k = cunorm.reference.layer_norm(k, w)[0]
+    assert cunorm.rms_norm(q, w, out=q) is q
+    assert cunorm.layer_norm(k, w, out=k) is k
+    tol = check.TOLERANCE[dtype]
+    assert check.rel_l2(q, want_q) < tol and check.rel_l2(k, want_k) < tol
+    assert cupy.array_equal(qkv[:, :, 2], before[:, :, 2])  # v untouched
+    # Backward through the strided views: dy in k's slot, x in q's, dx into a fresh array.
+    x, dy = before[:, :, 0], qkv[:, :, 1]
+    _, rstd = cunorm.rms_norm(x, w, return_stats=True)
+    dx, dw = cunorm.rms_norm_backward(dy, x, rstd, w)
+    want = cunorm.reference.rms_norm_backward(dy, x, rstd, w)
+    assert dx.shape == x.shape and check.rel_l2(dx, want[0], check.dx_scale_of(dy, w, False, rstd)) < tol
+    assert check.rel_l2(dw, want[1]) < tol
 
 
 @pytest.mark.parametrize("n", [1, 1024, 4097, 65536])

@@ -1,7 +1,6 @@
 """Tier C, torch tensors through the core API: torch tensors in, torch tensors
 out (torch's allocator, torch's current stream), the plan cache across
 pointers and layouts, and `out=` given as a torch tensor."""
-import numpy as np
 import pytest
 
 import cunorm

@@ -73,3 +73,16 @@ def test_call_plan_binds_outputs_scratch_and_scalars(launched):
     s = np.frombuffer(k.slots, np.uint64)
     assert list(s[:5]) == [10, 0, 1000, 5000, 5256]
     assert s.view(np.float32)[10] == 1.0
+
+
+def test_a_row_axes_parameter_takes_four_slots(launched):
+    """("axes", (s0, s1, s2, d1, d2)): a RowAxes struct (three i64, two u32) in four slots; the next
+    parameter starts after it, and per-call slots after it are still written."""
+    k = launch.Launch(_kernel(), 1, [("ptr", "x"), ("axes", (3 * 8 * 128, 8 * 128, 128, 5, 8)), ("ptr", "y")])
+    k.bind({"x": 0, "y": 1})
+    k([10, 20], stream=0)
+    s = np.frombuffer(k.slots, np.uint64)
+    assert len(s) == 6 and list(s[[0, 5]]) == [10, 20]
+    assert list(s.view(np.int64)[1:4]) == [3 * 8 * 128, 8 * 128, 128] and list(s.view(np.uint32)[8:10]) == [5, 8]
+    params = np.frombuffer(k._params, np.uint64)
+    assert list(params - params[0]) == [0, 8, 40]

@@ -125,6 +125,7 @@ def test_gradcheck_fp64():
     assert torch.autograd.gradcheck(lambda a, g, c: ct.layer_norm(a, None, g, c), (x, w, b))
     assert torch.autograd.gradcheck(lambda a, q, g: ct.rms_norm(a, None, g, 1e-5, residual=q), (x, r, w))
     assert torch.autograd.gradcheck(lambda a, q, g, c: ct.layer_norm(a, None, g, c, residual=q), (x, r, w, b))
+    assert torch.autograd.gradcheck(lambda a, g, c: ct.rms_norm(a, None, g, 1e-5, bias=c), (x, w, b))
 
 
 def test_state_dict_and_reset_parameters_match_torch():

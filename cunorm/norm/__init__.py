@@ -126,16 +126,16 @@ def layer_norm(x, weight=None, bias=None, eps=1e-5, *, residual=None, residual_d
                          out_dtype, out, traits, source)
 
 
-def rms_norm(x, weight=None, eps=1e-6, *, residual=None, residual_dtype=None, zero_centered_weight=False,
+def rms_norm(x, weight=None, eps=1e-6, *, bias=None, residual=None, residual_dtype=None, zero_centered_weight=False,
              return_stats=False, out_dtype=None, out=None, traits=None, source=None):
-    """RMSNorm over the last axis: y = h * rstd * w with rstd = 1 / sqrt(mean(h^2) + eps),
+    """RMSNorm over the last axis: y = h * rstd * w (+ bias) with rstd = 1 / sqrt(mean(h^2) + eps),
     h = x or x + residual (fp32), w = weight or 1 + weight (`zero_centered_weight`).
 
     Returns y; with a residual (y, residual_out); with `return_stats=True` the
     float32 rstd is appended. Layouts, dtypes, `out=`, `traits=` and
     `source=` as in `layer_norm`.
     """
-    return _forward_call(True, x, weight, None, eps, residual, residual_dtype, zero_centered_weight, return_stats,
+    return _forward_call(True, x, weight, bias, eps, residual, residual_dtype, zero_centered_weight, return_stats,
                          out_dtype, out, traits, source)
 
 
@@ -161,13 +161,14 @@ def layer_norm_backward(dy, x, mean, rstd, weight=None, *, has_bias=True, bias_d
                      out, traits, source)
 
 
-def rms_norm_backward(dy, x, rstd, weight=None, *, dresidual=None, zero_centered_weight=False, out=None,
-                      traits=None, source=None):
-    """Gradients of `rms_norm`: (dx, dweight), as in `layer_norm_backward`."""
+def rms_norm_backward(dy, x, rstd, weight=None, *, has_bias=False, bias_dtype=None, dresidual=None,
+                      zero_centered_weight=False, out=None, traits=None, source=None):
+    """Gradients of `rms_norm`: (dx, dweight), as in `layer_norm_backward`;
+    (dx, dweight, dbias) with `has_bias=True` (a forward with a bias)."""
     values = (dy, x, None, rstd, weight, dresidual, out)
-    key, ptrs = _call_key(values, (3, zero_centered_weight, source, traits))
+    key, ptrs = _call_key(values, (3, has_bias, bias_dtype, zero_centered_weight, source, traits))
     hit = _CALLS.get(key)
     if hit is not None:
         return hit.run(values, ptrs)
-    return _backward(True, key, dy, x, None, rstd, weight, False, None, dresidual, zero_centered_weight, out, traits,
-                     source)
+    return _backward(True, key, dy, x, None, rstd, weight, has_bias, bias_dtype, dresidual, zero_centered_weight,
+                     out, traits, source)

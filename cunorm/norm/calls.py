@@ -152,7 +152,7 @@ def backward_args(rms, dy, x, mean, rstd, weight, has_bias, bias_dtype, dresidua
     if O is not None:
         arrays.check_shape(O, X.array.shape, "x's shape")
         _out_dtype(O, None, x_dtype, "x's dtype")
-    has_bias = bool(has_bias) and not rms
+    has_bias = bool(has_bias)
     b_dtype = _dtype_arg("bias_dtype", bias_dtype, w_dtype) if has_bias else None
     base = call_base(rms=rms, backward=True, hidden_size=n, input_dtype=x_dtype, output_dtype=dy_dtype,
                      weight_dtype=w_dtype if W is not None else None, bias_dtype=b_dtype,

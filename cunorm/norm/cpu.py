@@ -14,7 +14,7 @@ def forward(args: dict, base: dict, eps: float, rms: bool, return_stats: bool):
     zc = base["zero_centered"]
     h = reference.add_residual(X.array, _arr(R))
     if rms:
-        y, rstd = reference.rms_norm(h, _arr(W), eps, zero_centered_weight=zc)
+        y, rstd = reference.rms_norm(h, _arr(W), eps, bias=_arr(B), zero_centered_weight=zc)
         stats = [rstd]
     else:
         y, mean, rstd = reference.layer_norm(h, _arr(W), _arr(B), eps, zero_centered_weight=zc)
@@ -38,6 +38,7 @@ def backward(args: dict, base: dict, rms: bool):
     if rms:
         dx, dw = reference.rms_norm_backward(DY.array, X.array, args["rstd"].array, _arr(W), dresidual=_arr(DR),
                                              zero_centered_weight=zc)
+        db = reference.bias_grad(DY.array)
     else:
         dx, dw, db = reference.layer_norm_backward(DY.array, X.array, args["mean"].array, args["rstd"].array,
                                                    _arr(W), dresidual=_arr(DR), zero_centered_weight=zc)
@@ -46,4 +47,6 @@ def backward(args: dict, base: dict, rms: bool):
         O.array[...] = dx
         dx = O.array
     dw = None if dw is None else dw.astype(w_np)
-    return (dx, dw) if rms else (dx, dw, db.astype(b_np) if base["has_bias"] else None)
+    if rms and not base["has_bias"]:
+        return dx, dw
+    return dx, dw, db.astype(b_np) if base["has_bias"] else None

@@ -81,17 +81,30 @@ def check_outputs(d: Direction, outputs: list, rows: dict, args: dict, n: int):
 
 def prepare(d: Direction, args: dict, outputs: dict, base: dict) -> Prepared:
     """Row views of the inputs (copies for layouts the kernels cannot read),
-    given outputs checked for overlap, the vector widths the layout allows."""
+    given outputs checked for overlap, the vector widths the layout allows.
+    Row tensors whose leading axes need more than one row stride but share at
+    most three are read in place through them (`layout.three_axis_rows`)."""
     n = base["hidden_size"]
     for k in d.weights:
         if args.get(k) is not None:
             layout.check_elements(args[k])
-    rows = {name: None if args.get(name) is None else layout.rows_of(args[name], n) for name in d.row_inputs}
-    out_rows = {}
-    offset = layout.mirrored_offset(rows["x"], dtypes.itemsize(base["input_dtype"]))
-    for name, given in outputs.items():
-        out_rows[name] = (layout.rows_of(given, n, output=True) if given is not None
-                          else layout.fresh_rows(name, rows["x"].rows, n, offset))
+    given = {name: a for name, a in outputs.items() if a is not None}
+    laid = {name: args[name] for name in d.row_inputs if args.get(name) is not None} | given
+    for a in laid.values():
+        layout.check_elements(a)
+    three = layout.three_axis_rows({name: a.array for name, a in laid.items()}, n)
+    if three is not None:
+        rows = {name: three.get(name) for name in d.row_inputs}
+        out_rows = {name: three[name] if name in given else layout.fresh_three_axis_rows(name, rows["x"], n)
+                    for name in outputs}
+        base = dict(base, row_axes=3)
+    else:
+        rows = {name: None if args.get(name) is None else layout.rows_of(args[name], n) for name in d.row_inputs}
+        out_rows = {}
+        offset = layout.mirrored_offset(rows["x"], dtypes.itemsize(base["input_dtype"]))
+        for name, a in outputs.items():
+            out_rows[name] = (layout.rows_of(a, n, output=True) if a is not None
+                              else layout.fresh_rows(name, rows["x"].rows, n, offset))
     check_outputs(d, [r for r in out_rows.values() if r.array is not None], rows, args, n)
     rows.update(out_rows)
     present = [r for r in rows.values() if r is not None]
@@ -125,7 +138,10 @@ def _weight_layout(a, t: Traits) -> tuple:
     return False, stride
 
 
-def _ld(r) -> tuple:
+def _ld(r, t: Traits) -> tuple:
+    """A row tensor's row-stride parameter: its row stride, or its three axes (RowAxes)."""
+    if t.row_axes == 3:
+        return ("axes", (0, 0, 0, 1, 1) if r is None else r.axes)
     return ("i64", 0 if r is None else r.ld)
 
 
@@ -199,8 +215,8 @@ def forward_plan(args: dict, base: dict, traits, rms: bool, return_stats: bool, 
         k = kernels["norm_fwd"]
         launches.append(Launch(k, p.grid_groups(k, t) * t.ctas_per_row, [
             ("ptr", "x"), ("ptr", "residual"), ("ptr", "weight"), ("ptr", "bias"), ("ptr", "y"),
-            ("ptr", "residual_out"), ("ptr", "mean"), ("ptr", "rstd"), ("i64", p.row_count), _ld(p.rows["x"]),
-            _ld(p.rows["residual"]), _ld(y_row), _ld(p.rows.get("residual_out")), ("i64", w_stride),
+            ("ptr", "residual_out"), ("ptr", "mean"), ("ptr", "rstd"), ("i64", p.row_count), _ld(p.rows["x"], t),
+            _ld(p.rows["residual"], t), _ld(y_row, t), _ld(p.rows.get("residual_out"), t), ("i64", w_stride),
             ("i64", b_stride), eps_slot(t)]))
     return CallPlan(x.kind, device, FORWARD.arrays, tuple(launches), outputs=outputs, copies=copies,
                     given_out=None if O is None else ("out", "y"), spans=_spans(FORWARD, args),
@@ -222,8 +238,9 @@ def backward_plan(args: dict, base: dict, traits, rms: bool, source: str | None 
         outputs.append(Output("dx", tuple(x.shape), x.dtype, dx_row.offset, like_x))
     else:
         picks.append(("arg", BACKWARD.arrays.index("out")))
+    # RMSNorm returns (dx, dweight), and dbias only when it had a bias; LayerNorm always (dx, dweight, dbias).
     for name, present, dtype in (("dweight", t.has_weight, base["weight_dtype"]),
-                                 ("dbias", t.has_bias, base["bias_dtype"]))[:1 if rms else 2]:
+                                 ("dbias", t.has_bias, base["bias_dtype"]))[:1 if rms and not t.has_bias else 2]:
         picks.append(("made", len(outputs)) if present else None)
         if present:
             outputs.append(Output(name, (n,), dtypes.numpy_dtype(dtype)))
@@ -248,7 +265,8 @@ def backward_plan(args: dict, base: dict, traits, rms: bool, source: str | None 
         launches.append(Launch(k, parts * t.ctas_per_row, [
             ("ptr", "dy"), ("ptr", "x"), ("ptr", "dresidual"), ("ptr", "mean"), ("ptr", "rstd"), ("ptr", "weight"),
             ("ptr", "dx"), ("ptr", "dgamma_part"), ("ptr", "dbeta_part"), ("i64", p.row_count),
-            _ld(p.rows["x"]), _ld(p.rows["dy"]), _ld(p.rows["dresidual"]), _ld(dx_row), ("i64", w_stride)]))
+            _ld(p.rows["x"], t), _ld(p.rows["dy"], t), _ld(p.rows["dresidual"], t), _ld(dx_row, t),
+            ("i64", w_stride)]))
         if sums:
             fin = kernels["norm_bwd_finalize"]
             launches.append(Launch(fin, -(-n // t.finalize_cols_per_cta), [

@@ -54,14 +54,14 @@ def layer_norm(x: Tensor, normalized_shape=None, weight: Tensor | None = None, b
 
 
 def rms_norm(x: Tensor, normalized_shape=None, weight: Tensor | None = None, eps: float | None = None, *,
-             residual: Tensor | None = None, residual_dtype: torch.dtype | None = None,
+             bias: Tensor | None = None, residual: Tensor | None = None, residual_dtype: torch.dtype | None = None,
              zero_centered_weight: bool = False, out_dtype: torch.dtype | None = None):
     """torch.nn.functional.rms_norm's arguments (eps None: the machine epsilon
-    of x's dtype, as torch), differentiable, plus the residual, zero-centered
-    and out_dtype options of `layer_norm`."""
+    of x's dtype, as torch), differentiable, plus a bias (y = xhat * w + b)
+    and the residual, zero-centered and out_dtype options of `layer_norm`."""
     if eps is None:
         eps = torch.finfo(x.dtype).eps
-    return _norm(x, normalized_shape, weight, None, eps, residual, residual_dtype, zero_centered_weight, out_dtype,
+    return _norm(x, normalized_shape, weight, bias, eps, residual, residual_dtype, zero_centered_weight, out_dtype,
                  rms=True)
 
 

@@ -71,7 +71,7 @@ def norm_fwd(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], residu
     kwargs = dict(residual_dtype=residual_out_dtype if residual is not None else None,
                   zero_centered_weight=zero_centered, return_stats=True, out_dtype=out_dtype)
     if rms:
-        out = _call(lambda a, w, r: _rms_norm(a, w, eps, residual=r, **kwargs), x, weight, residual)
+        out = _call(lambda a, w, b, r: _rms_norm(a, w, eps, bias=b, residual=r, **kwargs), x, weight, bias, residual)
         mean = None
     else:
         out = _call(lambda a, w, b, r: _layer_norm(a, w, b, eps, residual=r, **kwargs), x, weight, bias, residual)
@@ -101,10 +101,10 @@ def norm_bwd(dy: Tensor, x: Tensor, mean: Optional[Tensor], rstd: Tensor, weight
     residual sum when there was a residual) and its statistics; dresidual
     (the skip path's gradient) is added into dx. Absent gradients are empty."""
     if rms:
-        dx, dw = _call(lambda g, a, s, w, dr: _rms_norm_backward(g, a, s, w, dresidual=dr,
-                                                                  zero_centered_weight=zero_centered),
-                       dy, x, rstd, weight, dresidual)
-        db = None
+        dx, dw, *db = _call(lambda g, a, s, w, dr: _rms_norm_backward(
+            g, a, s, w, has_bias=has_bias, bias_dtype=bias_dtype, dresidual=dr, zero_centered_weight=zero_centered),
+            dy, x, rstd, weight, dresidual)
+        db = db[0] if db else None
     else:
         dx, dw, db = _call(lambda g, a, m, s, w, dr: _layer_norm_backward(
             g, a, m, s, w, has_bias=has_bias, bias_dtype=bias_dtype, dresidual=dr,
@@ -118,7 +118,7 @@ def _(dy, x, mean, rstd, weight, dresidual, rms, zero_centered, has_bias, bias_d
     dx = x.new_empty(x.shape)
     dw = x.new_empty((n,), dtype=weight.dtype) if weight is not None else x.new_empty(0)
     b_dtype = bias_dtype or (weight.dtype if weight is not None else torch.float32)
-    db = x.new_empty((n,), dtype=b_dtype) if has_bias and not rms else x.new_empty(0)
+    db = x.new_empty((n,), dtype=b_dtype) if has_bias else x.new_empty(0)
     return dx, dw, db
 
 

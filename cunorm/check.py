@@ -76,6 +76,7 @@ class Case:
     out_layout: str | None = None
     bias_layout: str | None = None
     heads: int = 0  # > 0: row tensors are [2, rows / (2 * heads), heads, N] (the "qkv" layout needs it)
+    per_head: bool = False  # weight and bias of shape [heads, N] (needs heads)
 
     def label(self) -> str:
         if self.op == "attention_delta":
@@ -93,7 +94,8 @@ class Case:
                   (f"out@{self.out_layout}", self.out_layout is not None),
                   (f"weight={self.weight_layout}", self.weight_layout != "contiguous"),
                   (f"bias@{self.bias_layout}", self.bias_layout not in (None, self.weight_layout)),
-                  ("in-place", self.in_place), (f"heads={self.heads}", self.heads > 0)]
+                  ("in-place", self.in_place), (f"heads={self.heads}", self.heads > 0),
+                  ("per-head-weights", self.per_head)]
         flags = "".join(f" {text}" for text, on in extras if on)
         return f"{self.op} N={self.hidden_size} M={self.rows} x={self.dtype} w={self.weight_dtype}{flags}"
 
@@ -290,6 +292,12 @@ def qkv_cases(op: str) -> list:
     cases.append(Case(op, 128, m, "bfloat16", "bfloat16", has_bias=not rms, heads=heads, layout="qkv",
                       out_layout="qkv"))
     cases.append(Case(op, 128, m, "float16", "float16", has_bias=not rms, heads=heads, layout="qkv", in_place=True))
+    # Weights per head ([heads, N]), on q/k views and on contiguous rows, aligned and general (N = 100 in fp32
+    # is aligned at 4 elements; 99 runs the general kernel).
+    for n, dt, lay, wl in ((128, "bfloat16", "qkv", "contiguous"), (64, "float32", "qkv", "strided"),
+                           (100, "float32", "contiguous", "contiguous"), (99, "bfloat16", "contiguous", "strided")):
+        cases.append(Case(op, n, m, dt, dt, has_bias=True, heads=heads, layout=lay, weight_layout=wl, per_head=True,
+                          zero_centered=rms))
     return cases
 
 
@@ -301,7 +309,7 @@ OUT_LAYOUTS = (None, "contiguous", "offset:1", "stride:+8")  # None: the op allo
 def pairwise_factors(op: str, sizes=None, dtypes_=dtypes.NAMES) -> tuple:
     """(factors, off) of the pairwise sweep of a norm op: every tensor's dtype
     (None: absent), layout and flag is its own factor."""
-    rms, backward = op.startswith("rms"), op.endswith("_backward")
+    backward = op.endswith("_backward")
     d = tuple(dtypes_)
     f = {"n": tuple(sizes or PAIRWISE_SIZES), "x": d, "weight": (None,) + d, "residual": (None,) + d,
          "x_layout": PAIRWISE_LAYOUTS, "residual_layout": PAIRWISE_LAYOUTS, "out_layout": OUT_LAYOUTS,
@@ -440,7 +448,8 @@ def case_call(case: Case) -> dict:
                           weight_dtype=case.weight_dtype if case.has_weight else None,
                           bias_dtype=(case.bias_dtype or case.weight_dtype) if case.has_bias else None,
                           residual_dtype=res, residual_out_dtype=None if case.backward else case.residual_out_dtype,
-                          zero_centered=case.zero_centered)
+                          zero_centered=case.zero_centered,
+                          per_head=case.per_head and (case.has_weight or (case.has_bias and not case.backward)))
     inputs = ["x"] + (["dy"] if case.backward else []) + (["residual"] if res is not None else [])
     if case.heads:  # leading axes [2, S, heads]: three-axis rows where a layout does not merge them
         named = {t: _layout_tensor(case.layout_of(t), case.lead, n, case.dtype) for t in inputs}
@@ -503,11 +512,17 @@ def row_tensor(gen, rows: int, n: int, dtype: str, layout: str, values, lead: tu
     raise ValueError(f"layout: unknown {layout!r}; expected one of {', '.join(LAYOUTS)}")
 
 
-def weight_vector(n: int, dtype: str, layout: str, values):
-    """A weight of length n in `layout` (broadcast: the first value everywhere, stride 0)."""
+def weight_vector(n: int, dtype: str, layout: str, values, heads: int = 0):
+    """A weight of length n in `layout` (broadcast: the first value everywhere, stride 0); with `heads`, a
+    weight per head, [heads, n] (`values` of that shape; contiguous, or "strided": every other column)."""
     import cupy
 
     dt = dtypes.numpy_dtype(dtype)
+    if heads:
+        if layout == "strided":
+            buf = cupy.full((heads, 2 * n), np.nan, dtype=dt)
+            return _fill(buf[:, ::2], values)
+        return values.astype(dt)
     if layout == "contiguous":
         return values.astype(dt)
     if layout == "broadcast":
@@ -529,11 +544,14 @@ def _inputs(case: Case, rng):
     shift = sign * g.uniform(1, 3, size=(m, 1))  # rows far from zero mean
     xv = standard_normal(g, (m, n), case.dtype) * float(rng.uniform(0.5, 2.0)) + shift
     x = row_tensor(g, m, n, case.dtype, case.layout, xv, _lead(case))
+    wshape = (case.heads, n) if case.per_head else n
+    heads = case.heads if case.per_head else 0
     w = (weight_vector(n, case.weight_dtype, case.weight_layout,
-                       (1.0 + 0.5 * standard_normal(g, n, case.weight_dtype)) * (0.5 if case.zero_centered else 1.0))
+                       (1.0 + 0.5 * standard_normal(g, wshape, case.weight_dtype)) * (0.5 if case.zero_centered else 1.0),
+                       heads)
          if case.has_weight else None)
     bdt = case.bias_dtype or case.weight_dtype
-    b = (weight_vector(n, bdt, case.bias_layout or case.weight_layout, 0.5 * standard_normal(g, n, bdt))
+    b = (weight_vector(n, bdt, case.bias_layout or case.weight_layout, 0.5 * standard_normal(g, wshape, bdt), heads)
          if case.has_bias else None)
     r = None
     if case.residual_dtype is not None and not case.backward:
@@ -711,7 +729,7 @@ def _run_backward(case: Case, rng, source=None) -> list:
         rstd = cupy.asarray(rstd64, dtype=stats_dtype)
         # The reference takes the exact statistics, the op their rounding (what a forward returns).
         refs = (*reference.rms_norm_backward(dy, x, rstd64, w, dresidual=dres, zero_centered_weight=zc),
-                reference.bias_grad(dy))
+                reference.bias_grad(dy, w))
         dx_scale = dx_scale_of(dy, w, zc, rstd)  # before the call: dx may be written over dy
         with poisoned_allocations():
             got = rms_norm_backward(dy, x, rstd, w, has_bias=case.has_bias, bias_dtype=case.bias_dtype, **kwargs)

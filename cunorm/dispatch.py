@@ -121,6 +121,8 @@ def _fit(knobs: dict, call: dict, general: bool, aligned: bool, arch: int) -> Tr
     """Measured knobs made to fit a call, or None where they cannot: a measured shape may not suit every
     dtype mix, layout or GPU (registers, shared memory, clusters)."""
     input_dtype = call["input_dtype"]
+    if call.get("per_head"):  # per-head weights are read where used
+        knobs = dict(knobs, cache_weights=False)
     try:
         t = from_knobs(knobs, **call)
         if t.aligned_rows != aligned:
@@ -162,7 +164,8 @@ def heuristic(*, hidden_size: int, input_dtype: str, elts_per_ldg: int | None = 
             try:
                 t = Traits(hidden_size=hidden_size, input_dtype=input_dtype, backward=backward,
                            **{**KNOB_DEFAULTS, "warps_n": warps_n, "ctas_per_row": ctas,
-                              "bytes_per_ldg": bytes_per_ldg, "stages": 1}, aligned_rows=aligned_rows, **rest)
+                              "bytes_per_ldg": bytes_per_ldg, "stages": 1,
+                              "cache_weights": not rest.get("per_head", False)}, aligned_rows=aligned_rows, **rest)
             except ValueError:
                 continue
             slots = t.ldgs * t.vec_cols_per_ldg

@@ -70,10 +70,16 @@ def layer_norm_backward(dy, x, mean, rstd, weight=None, *, dresidual=None, zero_
     dy, x, mean, rstd = _f64(dy), _f64(x), _f64(mean)[..., None], _f64(rstd)[..., None]
     xhat = (x - mean) * rstd
     dx = _row_grads(dy, xhat, rstd, _effective_weight(weight, zero_centered_weight), dresidual, centered=True)
-    lead = tuple(range(x.ndim - 1))
+    lead = _summed_axes(x, weight)
     dweight = (dy * xhat).sum(axis=lead) if weight is not None else None
     dbias = dy.sum(axis=lead)
     return dx, dweight, dbias
+
+
+def _summed_axes(x, weight) -> tuple:
+    """The axes a weight's gradient sums over: every leading one, or all but the head axis (-2) for a weight
+    per head ([heads, N]; dbias then per head too)."""
+    return tuple(range(x.ndim - (2 if weight is not None and weight.ndim == 2 else 1)))
 
 
 def rms_norm(x, weight=None, eps: float = 1e-6, *, bias=None, zero_centered_weight: bool = False):
@@ -88,10 +94,10 @@ def rms_norm(x, weight=None, eps: float = 1e-6, *, bias=None, zero_centered_weig
     return (y + _f64(bias) if bias is not None else y), rstd
 
 
-def bias_grad(dy):
-    """dbias = the column sums of dy over every leading axis, float64."""
+def bias_grad(dy, weight=None):
+    """dbias = the column sums of dy over every leading axis (per head beside a weight per head), float64."""
     dy = _f64(dy)
-    return dy.sum(axis=tuple(range(dy.ndim - 1)))
+    return dy.sum(axis=_summed_axes(dy, weight))
 
 
 def rms_norm_backward(dy, x, rstd, weight=None, *, dresidual=None, zero_centered_weight: bool = False):
@@ -100,8 +106,7 @@ def rms_norm_backward(dy, x, rstd, weight=None, *, dresidual=None, zero_centered
     dy, x, rstd = _f64(dy), _f64(x), _f64(rstd)[..., None]
     xhat = x * rstd
     dx = _row_grads(dy, xhat, rstd, _effective_weight(weight, zero_centered_weight), dresidual, centered=False)
-    lead = tuple(range(x.ndim - 1))
-    dweight = (dy * xhat).sum(axis=lead) if weight is not None else None
+    dweight = (dy * xhat).sum(axis=_summed_axes(x, weight)) if weight is not None else None
     return dx, dweight
 
 

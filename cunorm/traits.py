@@ -73,6 +73,8 @@ class Traits:
     row_axes: 1 (rows one stride apart) or 3 (rows through up to three leading
       axes with their own strides, e.g. q/k views of a fused QKV buffer; aligned
       rows only).
+    per_head: weight and bias of shape [heads, N], row r taking head r % heads
+      (read where used: cache_weights must be False).
     """
 
     hidden_size: int
@@ -102,6 +104,7 @@ class Traits:
     aligned_rows: bool = True
     backward: bool = False
     row_axes: int = 1
+    per_head: bool = False
 
     KNOBS = KNOBS  # what `traits=` may force and tuning varies
 
@@ -187,7 +190,7 @@ class Traits:
 
     def _weight_slot_bytes(self, dtype: str) -> int:
         """A weight kept in shared-memory slots (general kernel, not cached in registers)."""
-        in_smem = not self.cache_weights and not self.aligned_rows
+        in_smem = not self.cache_weights and not self.aligned_rows and not self.per_head
         return self.stage_slots * self.elts_per_ldg * dtypes.itemsize(dtype) if in_smem else 0
 
     @property
@@ -270,6 +273,8 @@ class Traits:
              "staged rows need vectors of >= 4 bytes of every staged row tensor (cp.async moves 4-16 bytes)")
         rule(self.row_axes in (1, 3), "ROW_AXES must be 1 or 3")
         rule(self.row_axes == 1 or self.aligned_rows, "rows through three leading axes must be aligned rows")
+        rule(not self.per_head or not self.cache_weights, "per-head weights are read per row, not held "
+             "(cache_weights must be False)")
         rule(not self.zero_centered or self.has_weight, "a zero-centered weight needs a weight")
         rule(1 <= self.min_ctas_per_sm and self.min_ctas_per_sm * self.threads_per_cta <= 2048,
              "MIN_CTAS_PER_SM must be >= 1 and fit 2048 threads per SM")
@@ -299,7 +304,8 @@ class Traits:
         flags = "".join(f" {name}" for name, on in (("rms", self.rms), ("residual", self.has_residual),
                                                      ("zero-centered", self.zero_centered),
                                                      ("general", not self.aligned_rows),
-                                                     ("3-axis-rows", self.row_axes == 3)) if on)
+                                                     ("3-axis-rows", self.row_axes == 3),
+                                                     ("per-head-weights", self.per_head)) if on)
         if self.has_residual:  # the residual read and residual_out written: two tensors, a dtype each
             flags += (f" dresidual={self.residual_dtype}" if self.backward else
                       f" residual={self.residual_dtype}->{self.residual_out_dtype}")
@@ -340,6 +346,7 @@ class Traits:
             "ZERO_CENTERED": "true" if self.zero_centered else "false",
             "ALIGNED_ROWS": "true" if self.aligned_rows else "false",
             "ROW_AXES": self.row_axes,
+            "PER_HEAD": int(self.per_head),
             "CACHE_WEIGHTS": "true" if self.cache_weights else "false",
             "MIN_CTAS_PER_SM": self.min_ctas_per_sm,
             "STAGES": self.stages,

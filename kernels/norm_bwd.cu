@@ -125,7 +125,14 @@ norm_bwd(const output_t* dy, const input_t* x, const residual_t* dresidual,
          const compute_t* __restrict__ mean, const compute_t* __restrict__ rstd, const weight_t* __restrict__ gamma,
          input_t* dx, compute_t* __restrict__ dgamma_part, compute_t* __restrict__ dbeta_part,  // [groups, COLS]
          long long rows, row_stride_t ldx, row_stride_t lddy, row_stride_t ldres, row_stride_t lddx,
-         long long gamma_stride) {
+         long long gamma_stride
+#if CN_PER_HEAD
+         , long long heads, long long gamma_head_stride
+#endif
+) {
+#if !CN_PER_HEAD
+  constexpr long long heads = 1, gamma_head_stride = 0;
+#endif
   using InVec = Vec<input_t, ELTS_PER_LDG>;
   using GradVec = Vec<output_t, ELTS_PER_LDG>;
   using ResVec = Vec<residual_t, ELTS_PER_LDG>;
@@ -144,7 +151,7 @@ norm_bwd(const output_t* dy, const input_t* x, const residual_t* dresidual,
   next += dys.BYTES;
   RowPipe<residual_t, HAS_RESIDUAL> drs(next, dresidual, ldres, rows, at);
   next += drs.BYTES;
-  const RowWeights<weight_t, HAS_WEIGHT> w(gamma, gamma_stride, next, at);
+  const RowWeights<weight_t, HAS_WEIGHT> w(gamma, gamma_stride, next, at, heads, gamma_head_stride);
 
   constexpr compute_t inv_cols = compute_t(1) / compute_t(COLS);
   constexpr bool ZERO_XHAT = !RMS && COLS == 1;  // a row of one element normalizes to 0
@@ -161,7 +168,7 @@ norm_bwd(const output_t* dy, const input_t* x, const residual_t* dresidual,
     compute_t sums[SUMS] = {};
 #pragma unroll
     for (int it = 0; it < LDGS; ++it) {
-      const auto wv = w(it, at);
+      const auto wv = w(it, at, row);
       AccVec dg = dgamma_acc.get(it), db = dbeta_acc.get(it);
 #pragma unroll
       for (int e = 0; e < ELTS_PER_LDG; ++e) {
@@ -197,7 +204,7 @@ norm_bwd(const output_t* dy, const input_t* x, const residual_t* dresidual,
 #pragma unroll
         for (int it = 0; it < LDGS; ++it) {
           if (!at.in_row(it)) continue;
-          const auto wv = w(it, at);
+          const auto wv = w(it, at, row);
           compute_t out[ELTS_PER_LDG];
 #pragma unroll
           for (int e = 0; e < ELTS_PER_LDG; ++e) {
@@ -215,7 +222,13 @@ norm_bwd(const output_t* dy, const input_t* x, const residual_t* dresidual,
     }
   }, xs, dys, drs);
 
-  if constexpr (HAS_WEIGHT || HAS_BIAS) {
+  if constexpr (PER_HEAD && (HAS_WEIGHT || HAS_BIAS)) {
+    // A partial row per warp row, unfolded: the host sizes the grid so that each warp row's rows share a
+    // head (the grid's row stride is a multiple of heads), and the finalize sums each head's partial rows.
+    const long long part = at.group * WARPS_M + at.warp_m;
+    if (HAS_WEIGHT) dgamma_acc.store(dgamma_part + part * COLS, at);
+    if (HAS_BIAS) dbeta_acc.store(dbeta_part + part * COLS, at);
+  } else if constexpr (HAS_WEIGHT || HAS_BIAS) {
     compute_t* gpart = dgamma_part + at.group * COLS;
     compute_t* bpart = dbeta_part + at.group * COLS;
     if constexpr (WARPS_M == 1 && !SMEM_ACCUMULATORS) {
@@ -235,7 +248,9 @@ norm_bwd(const output_t* dy, const input_t* x, const residual_t* dresidual,
 // Sums the [parts, COLS] partials column by column into dgamma (weight dtype)
 // and dbeta (bias dtype). A CTA owns 32 * FIN_VEC columns (each lane FIN_VEC
 // neighbours, one vector load per partial row); its warps take interleaved
-// partial rows, then warp 0 adds the warps' results in warp order.
+// partial rows, then warp 0 adds the warps' results in warp order. PER_HEAD:
+// [heads, COLS] outputs, partial row p belonging to head p % heads; a CTA
+// owns 32 * FIN_VEC columns of one head.
 constexpr int FINALIZE_WARPS = ${FINALIZE_WARPS};
 constexpr int FIN_VEC = COLS % 4 == 0 ? 4 : 1;
 using FinVec = Vec<compute_t, FIN_VEC>;
@@ -243,16 +258,25 @@ static_assert(32 * FIN_VEC == ${FINALIZE_COLS_PER_CTA}, "cunorm.Traits.finalize_
 
 extern "C" __global__ void __launch_bounds__(FINALIZE_WARPS * 32)
 norm_bwd_finalize(const compute_t* __restrict__ dgamma_part, const compute_t* __restrict__ dbeta_part, int parts,
-                  weight_t* __restrict__ dgamma, bias_t* __restrict__ dbeta) {
+                  weight_t* __restrict__ dgamma, bias_t* __restrict__ dbeta
+#if CN_PER_HEAD
+                  , int heads
+#endif
+) {
+#if !CN_PER_HEAD
+  constexpr int heads = 1;
+#endif
+  constexpr int CTAS_PER_HEAD = (COLS / FIN_VEC + 31) / 32;
   __shared__ FinVec warp_sums[2][FINALIZE_WARPS][32];
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  const int vec = blockIdx.x * 32 + lane;  // in units of FIN_VEC columns
+  const int head = PER_HEAD ? blockIdx.x / CTAS_PER_HEAD : 0;
+  const int vec = (PER_HEAD ? blockIdx.x % CTAS_PER_HEAD : blockIdx.x) * 32 + lane;  // in units of FIN_VEC columns
   const bool ok = vec < COLS / FIN_VEC;
   FinVec sg, sb;
   sg.zero();
   sb.zero();
   if (ok) {
-    for (int p = warp; p < parts; p += FINALIZE_WARPS) {
+    for (int p = head + warp * heads; p < parts; p += FINALIZE_WARPS * heads) {
       FinVec g, b;
       if (HAS_WEIGHT) g.load(dgamma_part + static_cast<long long>(p) * COLS, vec);
       if (HAS_BIAS) b.load(dbeta_part + static_cast<long long>(p) * COLS, vec);
@@ -278,8 +302,8 @@ norm_bwd_finalize(const compute_t* __restrict__ dgamma_part, const compute_t* __
       }
 #pragma unroll
     for (int e = 0; e < FIN_VEC; ++e) {
-      if (HAS_WEIGHT) dgamma[vec * FIN_VEC + e] = from_float<weight_t>(sg.get(e));
-      if (HAS_BIAS) dbeta[vec * FIN_VEC + e] = from_float<bias_t>(sb.get(e));
+      if (HAS_WEIGHT) dgamma[head * COLS + vec * FIN_VEC + e] = from_float<weight_t>(sg.get(e));
+      if (HAS_BIAS) dbeta[head * COLS + vec * FIN_VEC + e] = from_float<bias_t>(sb.get(e));
     }
   }
 }

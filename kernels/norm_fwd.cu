@@ -23,7 +23,14 @@ norm_fwd(const input_t* x, const residual_t* residual, const weight_t* __restric
          const bias_t* __restrict__ beta, output_t* y, residual_out_t* residual_out,
          compute_t* __restrict__ mean_out, compute_t* __restrict__ rstd_out,  // may be null
          long long rows, row_stride_t ldx, row_stride_t ldr, row_stride_t ldy, row_stride_t ldro,
-         long long gamma_stride, long long beta_stride, compute_t eps) {
+         long long gamma_stride, long long beta_stride, compute_t eps
+#if CN_PER_HEAD
+         , long long heads, long long gamma_head_stride, long long beta_head_stride
+#endif
+) {
+#if !CN_PER_HEAD
+  constexpr long long heads = 1, gamma_head_stride = 0, beta_head_stride = 0;
+#endif
   using InVec = Vec<input_t, ELTS_PER_LDG>;
   using ResVec = Vec<residual_t, ELTS_PER_LDG>;
   using SumVec = Vec<compute_t, ELTS_PER_LDG>;
@@ -36,9 +43,9 @@ norm_fwd(const input_t* x, const residual_t* residual, const weight_t* __restric
   next += xs.BYTES;
   RowPipe<residual_t, HAS_RESIDUAL> rs(next, residual, ldr, rows, at);
   next += rs.BYTES;
-  const RowWeights<weight_t, HAS_WEIGHT> w(gamma, gamma_stride, next, at);
+  const RowWeights<weight_t, HAS_WEIGHT> w(gamma, gamma_stride, next, at, heads, gamma_head_stride);
   next += w.BYTES;
-  const RowWeights<bias_t, HAS_BIAS> b(beta, beta_stride, next, at);
+  const RowWeights<bias_t, HAS_BIAS> b(beta, beta_stride, next, at, heads, beta_head_stride);
 
   constexpr compute_t inv_cols = compute_t(1) / compute_t(COLS);
   for_each_row(rows, at, [&](long long row, bool row_ok, int stage) {
@@ -105,8 +112,8 @@ norm_fwd(const input_t* x, const residual_t* residual, const weight_t* __restric
 #pragma unroll
         for (int it = 0; it < LDGS; ++it) {
           if (!at.in_row(it)) continue;
-          const auto wv = w(it, at);
-          const auto bv = b(it, at);
+          const auto wv = w(it, at, row);
+          const auto bv = b(it, at, row);
           compute_t out[ELTS_PER_LDG];
 #pragma unroll
           for (int e = 0; e < ELTS_PER_LDG; ++e) {

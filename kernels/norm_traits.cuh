@@ -37,6 +37,10 @@ constexpr int STAGES = ${STAGES};  // rows in flight per thread (>= 2: staged in
 // How a row tensor's rows are found: one row stride (1), or up to three leading
 // axes with their own strides (3: e.g. q/k views [B, S, H, D] of a fused QKV
 // buffer, whose leading strides do not merge into one). Aligned rows only.
+// Weights of shape [heads, N] (per-head q/k-norm weights): row r takes head r % heads,
+// read where used (never held or kept in shared memory).
+#define CN_PER_HEAD ${PER_HEAD}
+constexpr bool PER_HEAD = CN_PER_HEAD;
 #define CN_ROW_AXES ${ROW_AXES}
 constexpr int ROW_AXES = CN_ROW_AXES;
 
@@ -68,6 +72,7 @@ static_assert(STAGES >= 1 && STAGES <= 8, "STAGES must be 1..8");
 static_assert(MIN_CTAS_PER_SM >= 1 && MIN_CTAS_PER_SM * THREADS_PER_CTA <= 2048,
               "MIN_CTAS_PER_SM must be >= 1 and fit 2048 threads per SM");
 static_assert(ROW_AXES == 1 || ROW_AXES == 3, "ROW_AXES must be 1 or 3");
+static_assert(!PER_HEAD || !CACHE_WEIGHTS, "per-head weights are read per row, not held");
 static_assert(ROW_AXES == 1 || ALIGNED_ROWS, "rows through three leading axes must be aligned rows");
 static_assert(!ZERO_CENTERED || HAS_WEIGHT, "a zero-centered weight needs a weight");
 
@@ -404,15 +409,17 @@ template <typename T, bool PRESENT>
 struct RowWeights {
   using V = Vec<T, ELTS_PER_LDG>;
   static constexpr bool HELD = CACHE_WEIGHTS && PRESENT;
-  static constexpr bool IN_SMEM = !CACHE_WEIGHTS && PRESENT && !ALIGNED_ROWS;
+  static constexpr bool IN_SMEM = !CACHE_WEIGHTS && PRESENT && !ALIGNED_ROWS && !PER_HEAD;
   static constexpr int BYTES = IN_SMEM ? STAGE_SLOTS * int(sizeof(V)) : 0;  // its shared memory
   const T* ptr;
   long long stride;
+  long long heads, head_stride;  // PER_HEAD: [heads, N] weights, head_stride elements apart
   V held[HELD ? LDGS : 1];
   V* slots;    // IN_SMEM: [WARPS_M][LDGS][THREADS_PER_ROW], this thread's first
 
-  __device__ __forceinline__ RowWeights(const T* p, long long stride_, unsigned char* smem, const Coords& at)
-      : ptr(p), stride(stride_),
+  __device__ __forceinline__ RowWeights(const T* p, long long stride_, unsigned char* smem, const Coords& at,
+                                        long long heads_, long long head_stride_)
+      : ptr(p), stride(stride_), heads(heads_), head_stride(head_stride_),
         slots(reinterpret_cast<V*>(smem) + at.warp_m * LDGS * THREADS_PER_ROW + at.warp_n * THREADS_PER_WARP +
               at.lane) {
     if constexpr (HELD) {
@@ -424,23 +431,25 @@ struct RowWeights {
       for (int it = 0; it < LDGS; ++it) slots[it * THREADS_PER_ROW] = fetch(it, at);
     }
   }
-  __device__ __forceinline__ V fetch(int it, const Coords& at) const {
+  __device__ __forceinline__ V fetch(int it, const Coords& at, const T* from) const {
     V v;
     v.zero();
     if (PRESENT && at.in_row(it)) {
       if constexpr (ALIGNED_ROWS) {
-        v.load(ptr, at.vec(it));
+        v.load(from, at.vec(it));
       } else {
 #pragma unroll
         for (int e = 0; e < ELTS_PER_LDG; ++e)
-          if (at.valid(it, e)) v.set_raw(e, ptr[at.column(it, e) * stride]);
+          if (at.valid(it, e)) v.set_raw(e, from[at.column(it, e) * stride]);
       }
     }
     return v;
   }
-  // The vector of LDG step `it` (`it` must be a compile-time constant when held).
-  __device__ __forceinline__ V operator()(int it, const Coords& at) const {
-    if constexpr (HELD) return held[it];
+  __device__ __forceinline__ V fetch(int it, const Coords& at) const { return fetch(it, at, ptr); }
+  // The vector of LDG step `it` for `row` (`it` must be a compile-time constant when held).
+  __device__ __forceinline__ V operator()(int it, const Coords& at, long long row) const {
+    if constexpr (PER_HEAD) return fetch(it, at, ptr + (row % heads) * head_stride);
+    else if constexpr (HELD) return held[it];
     else if constexpr (IN_SMEM) return slots[it * THREADS_PER_ROW];
     else return fetch(it, at);
   }

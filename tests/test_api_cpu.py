@@ -302,3 +302,27 @@ def test_qk_views_of_a_fused_buffer_and_rmsnorm_bias_on_the_numpy_path(rng):
     dx, dw, db = cunorm.rms_norm_backward(dy, k, rstd, w, has_bias=True)
     np.testing.assert_allclose(db, dy.astype(np.float64).sum((0, 1, 2)), rtol=1e-5)
     assert len(cunorm.rms_norm_backward(dy, k, rstd, w)) == 2
+
+
+def test_weights_per_head_on_the_numpy_path(rng):
+    """A weight (and bias) of shape x.shape[-2:] ([heads, D]) normalizes head h of every row with its own
+    row of weights; the backward returns dweight and dbias per head. A 1-D bias beside a per-head weight
+    serves every head. Other 2-D weights are refused naming the argument."""
+    x = rng.standard_normal((3, 5, 4, 32)).astype(np.float32)
+    w, b = rng.standard_normal((4, 32)).astype(np.float32), rng.standard_normal(32).astype(np.float32)
+    x64 = x.astype(np.float64)
+    mu = x64.mean(-1, keepdims=True)
+    xhat = (x64 - mu) / np.sqrt(((x64 - mu) ** 2).mean(-1, keepdims=True) + 1e-5)
+    y, mean, rstd = cunorm.layer_norm(x, w, b, return_stats=True)
+    assert np.abs(y - (xhat * w + b)).max() < 1e-5
+    dy = rng.standard_normal(x.shape).astype(np.float32)
+    dx, dw, db = cunorm.layer_norm_backward(dy, x, mean, rstd, w)
+    assert dw.shape == db.shape == (4, 32)
+    np.testing.assert_allclose(dw, (dy * xhat).sum((0, 1)), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(db, dy.astype(np.float64).sum((0, 1)), rtol=1e-5, atol=1e-5)
+    _, rstd = cunorm.rms_norm(x, w, return_stats=True)
+    assert cunorm.rms_norm_backward(dy, x, rstd, w)[1].shape == (4, 32)
+    with pytest.raises(ValueError, match=r"weight: shape \(5, 32\) does not match x.shape\[-2:\]"):
+        cunorm.layer_norm(x, np.ones((5, 32), np.float32))
+    with pytest.raises(ValueError, match="weight: shape"):
+        cunorm.layer_norm(x[0, 0, 0], np.ones((1, 32), np.float32))

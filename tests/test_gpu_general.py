@@ -397,17 +397,19 @@ def test_non_row_layouts_are_copied(rng):
     assert check.rel_l2(cunorm.rms_norm(x3), cunorm.reference.rms_norm(x3)[0]) < 1e-5
 
 
+@pytest.mark.parametrize("per_head", [False, True])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_qk_norm_of_a_fused_qkv_buffer_in_place(dtype, rng):
+def test_qk_norm_of_a_fused_qkv_buffer_in_place(dtype, per_head, rng):
     """q and k of a fused [B, S, 3, H, D] projection normalized in place over
-    the head dim (Qwen3/OLMo2-style q/k-norm), forward and backward through
-    their own strides: the rest of the buffer is untouched, nothing copied."""
+    the head dim (Qwen3/OLMo2-style q/k-norm; per_head: an [H, D] weight, as
+    quack's test_rmsnorm_qk), forward and backward through their own strides:
+    the rest of the buffer is untouched, nothing copied."""
     import cupy
 
     b, s, h, d = 2, 33, 8, 128
     qkv = _buffer((b, s, 3, h, d), dtype, rng)
     before = qkv.copy()
-    w = cupy.asarray(rng.standard_normal(d) * 0.5 + 1).astype(qkv.dtype)
+    w = cupy.asarray(rng.standard_normal((h, d) if per_head else d) * 0.5 + 1).astype(qkv.dtype)
     q, k = qkv[:, :, 0], qkv[:, :, 1]
     assert "copied" not in str(cunorm.explain("rms_norm", q, w, out=q))
     want_q = cunorm.reference.rms_norm(q, w)[0]
@@ -423,7 +425,7 @@ def test_qk_norm_of_a_fused_qkv_buffer_in_place(dtype, rng):
     dx, dw = cunorm.rms_norm_backward(dy, x, rstd, w)
     want = cunorm.reference.rms_norm_backward(dy, x, rstd, w)
     assert dx.shape == x.shape and check.rel_l2(dx, want[0], check.dx_scale_of(dy, w, False, rstd)) < tol
-    assert check.rel_l2(dw, want[1]) < tol
+    assert dw.shape == w.shape and check.rel_l2(dw, want[1]) < tol
 
 
 @pytest.mark.parametrize("n", [1, 1024, 4097, 65536])

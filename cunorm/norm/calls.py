@@ -47,14 +47,24 @@ def check_eps(eps) -> float:
     return e
 
 
-def _vector_arg(a, n: int) -> str:
+def _vector_arg(a, n: int, x_shape: tuple | None = None) -> str:
     """Checks a weight-like argument (shape (N,), any dtype of ours, any
-    non-negative stride) and returns its dtype name; ABSENT_DTYPE for None."""
+    non-negative stride; with `x_shape`, also x_shape[-2:], a weight per head:
+    see `per_head`) and returns its dtype name; ABSENT_DTYPE for None."""
     if a is None:
         return ABSENT_DTYPE
     d = arrays.check_dtype(a)
-    arrays.check_shape(a, (n,), "x's last axis")
+    if not (x_shape is not None and len(x_shape) >= 2 and a.array.ndim == 2):
+        arrays.check_shape(a, (n,), "x's last axis")
+    else:
+        arrays.check_shape(a, tuple(x_shape[-2:]), "x.shape[-2:] (a weight per head)")
     return d
+
+
+def per_head(*weights) -> bool:
+    """Whether a call's weight or bias is per head ([heads, N]: row r takes head r % heads, heads = x.shape[-2],
+    for q/k-norm over the head dim); a one-dimensional one beside it serves every head."""
+    return any(w is not None and w.array.ndim == 2 for w in weights)
 
 
 def _dtype_arg(name: str, value, default: str) -> str:
@@ -87,7 +97,7 @@ def _out_dtype(out, out_dtype, default: str, what: str) -> str:
 
 def call_base(*, rms: bool, backward: bool, hidden_size: int, input_dtype: str, output_dtype: str,
               weight_dtype: str | None, bias_dtype: str | None, residual_dtype: str | None,
-              zero_centered: bool, residual_out_dtype: str | None = None) -> dict:
+              zero_centered: bool, residual_out_dtype: str | None = None, per_head: bool = False) -> dict:
     """The dispatch fields of a call (absent arguments: None dtypes). The
     residual read (forward) or dresidual (backward) and the residual_out
     written (forward only) are two tensors with a dtype each: residual_out
@@ -100,7 +110,8 @@ def call_base(*, rms: bool, backward: bool, hidden_size: int, input_dtype: str, 
                 residual_out_dtype=ABSENT_DTYPE if backward else (residual_out_dtype or residual_dtype
                                                                   or ABSENT_DTYPE),
                 has_weight=weight_dtype is not None, has_bias=bias_dtype is not None, rms=rms,
-                has_residual=residual_dtype is not None, zero_centered=zero_centered, backward=backward)
+                has_residual=residual_dtype is not None, zero_centered=zero_centered, backward=backward,
+                per_head=per_head)
 
 
 def forward_args(rms, x, weight, bias, eps, residual, residual_dtype, zero_centered_weight, out_dtype, out):
@@ -109,7 +120,7 @@ def forward_args(rms, x, weight, bias, eps, residual, residual_dtype, zero_cente
     X, W, B, R, O = (args[k] for k in FORWARD.arrays)
     x_dtype = arrays.check_dtype(X)
     n = hidden_size(X)
-    w_dtype, b_dtype = _vector_arg(W, n), _vector_arg(B, n)
+    w_dtype, b_dtype = _vector_arg(W, n, X.array.shape), _vector_arg(B, n, X.array.shape)
     if R is not None:
         arrays.check_dtype(R)
         arrays.check_shape(R, X.array.shape, "x's shape")
@@ -123,7 +134,7 @@ def forward_args(rms, x, weight, bias, eps, residual, residual_dtype, zero_cente
     base = call_base(rms=rms, backward=False, hidden_size=n, input_dtype=x_dtype, output_dtype=y_dtype,
                      weight_dtype=w_dtype if W is not None else None, bias_dtype=b_dtype if B is not None else None,
                      residual_dtype=res_dtype, residual_out_dtype=res_out_dtype,
-                     zero_centered=_zero_centered(zero_centered_weight, W))
+                     zero_centered=_zero_centered(zero_centered_weight, W), per_head=per_head(W, B))
     return args, on_gpu, base, check_eps(eps)
 
 
@@ -145,7 +156,7 @@ def backward_args(rms, dy, x, mean, rstd, weight, has_bias, bias_dtype, dresidua
         if args[name] is not None:
             arrays.check_dtype(args[name], STATS_DTYPES)
             arrays.check_shape(args[name], lead, "x.shape[:-1]")
-    w_dtype = _vector_arg(W, n)
+    w_dtype = _vector_arg(W, n, X.array.shape)
     if DR is not None:
         arrays.check_dtype(DR)
         arrays.check_shape(DR, DY.array.shape, "dy's shape")
@@ -157,5 +168,5 @@ def backward_args(rms, dy, x, mean, rstd, weight, has_bias, bias_dtype, dresidua
     base = call_base(rms=rms, backward=True, hidden_size=n, input_dtype=x_dtype, output_dtype=dy_dtype,
                      weight_dtype=w_dtype if W is not None else None, bias_dtype=b_dtype,
                      residual_dtype=DR.dtype_name if DR is not None else None,
-                     zero_centered=_zero_centered(zero_centered_weight, W))
+                     zero_centered=_zero_centered(zero_centered_weight, W), per_head=per_head(W))
     return args, on_gpu, base

@@ -38,7 +38,7 @@ def backward(args: dict, base: dict, rms: bool):
     if rms:
         dx, dw = reference.rms_norm_backward(DY.array, X.array, args["rstd"].array, _arr(W), dresidual=_arr(DR),
                                              zero_centered_weight=zc)
-        db = reference.bias_grad(DY.array)
+        db = reference.bias_grad(DY.array, _arr(W))
     else:
         dx, dw, db = reference.layer_norm_backward(DY.array, X.array, args["mean"].array, args["rstd"].array,
                                                    _arr(W), dresidual=_arr(DR), zero_centered_weight=zc)

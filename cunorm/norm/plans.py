@@ -43,6 +43,7 @@ class Prepared:
     n: int
     row_count: int
     in_place: dict = field(default_factory=dict)
+    heads: int = 1  # x.shape[-2] where weights are per head
 
     def row_list(self) -> list:
         return [r for r in self.rows.values() if r is not None]
@@ -53,11 +54,15 @@ class Prepared:
     def grid_groups(self, kernel, t: Traits) -> int:
         """Row groups of a persistent grid: one wave of CTAs, each walking many
         rows; a multiple of the shift period (general kernel), so that every
-        row of a thread sits at the same offset from a vector boundary."""
+        row of a thread sits at the same offset from a vector boundary, and
+        (backward with weights per head) of the heads, so that every row of a
+        warp row has the same head."""
         groups = -(-self.row_count // t.rows_per_cta)
         groups = min(groups, kernel.resident_clusters)  # a row group is one cluster (of CTAS_PER_ROW CTAs)
         x = self.rows["x"]
         period = 1 if t.aligned_rows else layout.shift_period(x.ld, x.rows, t.elts_per_ldg)
+        if t.per_head and t.backward:
+            period = math.lcm(period, self.heads)
         step = period // math.gcd(period, t.rows_per_cta)
         # Down to whole periods (CTAs left over would run as a second wave, doubling the time), or up to one.
         return max(step, groups // step * step)
@@ -110,7 +115,8 @@ def prepare(d: Direction, args: dict, outputs: dict, base: dict) -> Prepared:
     present = [r for r in rows.values() if r is not None]
     max_vector, aligned_vector = layout.vector_widths(present, n, dtypes.itemsize(base["input_dtype"]))
     base = dict(base, max_vector=max_vector, aligned_vector=aligned_vector)
-    return Prepared(base, rows, n, rows["x"].rows, d.in_place)
+    heads = args["x"].array.shape[-2] if base.get("per_head") else 1
+    return Prepared(base, rows, n, rows["x"].rows, d.in_place, heads)
 
 
 def forward_prepare(args: dict, base: dict) -> Prepared:
@@ -125,17 +131,22 @@ def backward_prepare(args: dict, base: dict) -> Prepared:
 
 
 def _weight_layout(a, t: Traits) -> tuple:
-    """(copied per call?, stride in elements) of a weight as the kernel reads
-    it. The general kernel reads any non-negative stride (0 broadcasts one
-    value) in place; the aligned kernel loads whole vectors, so a strided,
-    broadcast or unaligned weight is copied for it (N elements, documented)."""
+    """(copied per call?, stride in elements, stride between heads) of a
+    weight as the kernel reads it. The general kernel reads any non-negative
+    stride (0 broadcasts one value) in place; the aligned kernel loads whole
+    vectors, so a strided, broadcast or unaligned weight is copied for it
+    (N elements, or [heads, N] per head; documented). A one-dimensional
+    weight serves every head (stride 0 between heads)."""
     if a is None:
-        return False, 0
+        return False, 0, 0
     w = a.array
-    stride = w.strides[0] // w.itemsize if w.shape[0] > 1 else 1
-    if t.aligned_rows and (stride != 1 or w.ptr % min(16, t.elts_per_ldg * w.itemsize)):
-        return True, 1
-    return False, stride
+    stride = w.strides[-1] // w.itemsize if w.shape[-1] > 1 else 1
+    heads = w.shape[0] if w.ndim == 2 else 1
+    head_stride = w.strides[0] // w.itemsize if heads > 1 else 0
+    vector_bytes = min(16, t.elts_per_ldg * w.itemsize)
+    if t.aligned_rows and (stride != 1 or w.ptr % vector_bytes or (head_stride * w.itemsize) % vector_bytes):
+        return True, 1, w.shape[-1] if heads > 1 else 0
+    return False, stride, head_stride
 
 
 def _ld(r, t: Traits) -> tuple:
@@ -207,7 +218,7 @@ def forward_plan(args: dict, base: dict, traits, rms: bool, return_stats: bool, 
         for name in ("rstd",) if rms else ("mean", "rstd"):
             picks.append(("made", len(outputs)))
             outputs.append(Output(name, lead, stats_dtype))
-    (copy_w, w_stride), (copy_b, b_stride) = _weight_layout(W, t), _weight_layout(B, t)
+    (copy_w, w_stride, w_heads), (copy_b, b_stride, b_heads) = _weight_layout(W, t), _weight_layout(B, t)
     copies = [name for name in FORWARD.row_inputs if p.rows[name] is not None and p.rows[name].copied]
     copies += ["weight"] * copy_w + ["bias"] * copy_b
     launches = []
@@ -217,7 +228,8 @@ def forward_plan(args: dict, base: dict, traits, rms: bool, return_stats: bool, 
             ("ptr", "x"), ("ptr", "residual"), ("ptr", "weight"), ("ptr", "bias"), ("ptr", "y"),
             ("ptr", "residual_out"), ("ptr", "mean"), ("ptr", "rstd"), ("i64", p.row_count), _ld(p.rows["x"], t),
             _ld(p.rows["residual"], t), _ld(y_row, t), _ld(p.rows.get("residual_out"), t), ("i64", w_stride),
-            ("i64", b_stride), eps_slot(t)]))
+            ("i64", b_stride), eps_slot(t)] + ([("i64", p.heads), ("i64", w_heads), ("i64", b_heads)]
+                                               if t.per_head else [])))
     return CallPlan(x.kind, device, FORWARD.arrays, tuple(launches), outputs=outputs, copies=copies,
                     given_out=None if O is None else ("out", "y"), spans=_spans(FORWARD, args),
                     full_overlap_check=_overlap_check(FORWARD, p.n), scalars=EPS_SCALARS, result=_picker(picks)), p
@@ -242,9 +254,9 @@ def backward_plan(args: dict, base: dict, traits, rms: bool, source: str | None 
     for name, present, dtype in (("dweight", t.has_weight, base["weight_dtype"]),
                                  ("dbias", t.has_bias, base["bias_dtype"]))[:1 if rms and not t.has_bias else 2]:
         picks.append(("made", len(outputs)) if present else None)
-        if present:
-            outputs.append(Output(name, (n,), dtypes.numpy_dtype(dtype)))
-    copy_w, w_stride = _weight_layout(W, t)
+        if present:  # per head: [heads, N]
+            outputs.append(Output(name, (p.heads, n) if t.per_head else (n,), dtypes.numpy_dtype(dtype)))
+    copy_w, w_stride, w_heads = _weight_layout(W, t)
     copies = [name for name in BACKWARD.row_inputs if p.rows[name] is not None and p.rows[name].copied]
     # mean and rstd are read by row number in the compute dtype: a strided view, or statistics of the other
     # float dtype, are copied (documented).
@@ -258,20 +270,21 @@ def backward_plan(args: dict, base: dict, traits, rms: bool, source: str | None 
     sums = t.has_weight or t.has_bias
     if p.row_count:
         k = kernels["norm_bwd"]
-        parts = p.grid_groups(k, t)
-        if sums:  # per-CTA column sums, one [parts, N] compute_t block each for dgamma and dbeta
+        groups = p.grid_groups(k, t)
+        parts = groups * t.rows_per_cta if t.per_head else groups  # partial rows: per warp row, or per CTA
+        if sums:  # column sums, one [parts, N] compute_t block each for dgamma and dbeta
             part_bytes = dtypes.itemsize(t.compute_dtype) * parts * n
             scratch += [("dgamma_part", part_bytes), ("dbeta_part", part_bytes)]
-        launches.append(Launch(k, parts * t.ctas_per_row, [
+        launches.append(Launch(k, groups * t.ctas_per_row, [
             ("ptr", "dy"), ("ptr", "x"), ("ptr", "dresidual"), ("ptr", "mean"), ("ptr", "rstd"), ("ptr", "weight"),
             ("ptr", "dx"), ("ptr", "dgamma_part"), ("ptr", "dbeta_part"), ("i64", p.row_count),
             _ld(p.rows["x"], t), _ld(p.rows["dy"], t), _ld(p.rows["dresidual"], t), _ld(dx_row, t),
-            ("i64", w_stride)]))
+            ("i64", w_stride)] + ([("i64", p.heads), ("i64", w_heads)] if t.per_head else [])))
         if sums:
             fin = kernels["norm_bwd_finalize"]
-            launches.append(Launch(fin, -(-n // t.finalize_cols_per_cta), [
+            launches.append(Launch(fin, -(-n // t.finalize_cols_per_cta) * p.heads, [
                 ("ptr", "dgamma_part"), ("ptr", "dbeta_part"), ("i32", parts), ("ptr", "dweight"),
-                ("ptr", "dbias")]))
+                ("ptr", "dbias")] + ([("i32", p.heads)] if t.per_head else [])))
     else:  # no rows: empty dx, and the column sums of nothing are zero
         zeros = [o.name for o in outputs if o.name in ("dweight", "dbias")]
     return CallPlan(x.kind, device, BACKWARD.arrays, tuple(launches), outputs=outputs, scratch=scratch,

@@ -116,9 +116,10 @@ def norm_bwd(dy: Tensor, x: Tensor, mean: Optional[Tensor], rstd: Tensor, weight
 def _(dy, x, mean, rstd, weight, dresidual, rms, zero_centered, has_bias, bias_dtype):
     n = x.shape[-1]
     dx = x.new_empty(x.shape)
-    dw = x.new_empty((n,), dtype=weight.dtype) if weight is not None else x.new_empty(0)
+    dw = x.new_empty(weight.shape, dtype=weight.dtype) if weight is not None else x.new_empty(0)
     b_dtype = bias_dtype or (weight.dtype if weight is not None else torch.float32)
-    db = x.new_empty((n,), dtype=b_dtype) if has_bias else x.new_empty(0)
+    per_head = weight is not None and weight.dim() == 2  # [heads, N]: dbias per head too
+    db = x.new_empty(weight.shape if per_head else (n,), dtype=b_dtype) if has_bias else x.new_empty(0)
     return dx, dw, db
 
 

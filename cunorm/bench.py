@@ -26,7 +26,8 @@ DIRECTIONS = ("fwd", "bwd")
 # `cunorm bench --ops` names: the (op, direction) each stands for; "delta" is attention_delta.
 OP_CHOICES = {f"{name}{extra}": (f"{op}{extra}", "bwd" if backward else "fwd")
               for extra in ("", "+residual") for name, (op, backward) in SHORT_NAMES.items()}
-BENCH_OPS = (*OP_CHOICES, "delta")
+BENCH_OPS = (*OP_CHOICES, "delta", "qk")  # qk: q/k-norm on a fused QKV buffer (`qk_cases`)
+QK_SHAPE = (16384, 32, 128)  # rows B*S, heads, head dim of `qk_cases`
 
 
 def op_pairs(ops=None) -> set:
@@ -172,6 +173,29 @@ def delta_cases(head_dims=DELTA_HEAD_DIMS, dtype: str = "bfloat16"):
         yield Case("attention_delta", k, 2 * m * k * dt.itemsize + 4 * m, lambda: attention_delta(o, g))
 
 
+def qk_cases(dtype: str = "bfloat16", shape=QK_SHAPE):
+    """Yields the q/k-norm Case: RMSNorm over the head dim of q, a [B*S, H, D]
+    view of a fused [B*S, 3, H, D] QKV buffer, in place (out=q), with a [D]
+    weight; bytes are q read and written. Its native is torch's RMSNorm of the
+    same view (out of place, as a model's q_norm(q) runs)."""
+    import cupy
+
+    from .norm import rms_norm
+
+    rows, heads, d = shape
+    dt = dtypes.numpy_dtype(dtype)
+    qkv = cupy.random.standard_normal((rows, 3, heads, d), dtype=np.float32).astype(dt)
+    q = qkv[:, 0]
+    w = (1 + 0.1 * cupy.random.standard_normal(d, dtype=np.float32)).astype(dt)
+    native = None
+    to_torch = _torch_from_dlpack()
+    if to_torch is not None:
+        tq, tw = to_torch(q), to_torch(w)
+        native = torch_native("rms_norm", {"x": tq, "w": tw}, d)
+    yield Case(f"rms_norm q of qkv [{rows}, 3, {heads}, {d}] fwd", d, 2 * rows * heads * d * dt.itemsize,
+               lambda **kwargs: rms_norm(q, w, out=q, **kwargs), native)
+
+
 # Layout and odd-size comparisons: strided rows beside contiguous ones at 4096,
 # odd sizes beside their neighbours.
 STRIDED = ((4096,), "stride+64")
@@ -300,24 +324,31 @@ def run(sizes=BENCH_SIZES, dtype="bfloat16", weight_dtype=None, repeat=20, out=s
     BENCH_OPS; None: all) picks the ops and directions."""
     pairs = op_pairs(ops)
     head_dims = head_dims if ops is None or "delta" in ops else ()
+    qk = ops is None or "qk" in ops
     copy = copy_bandwidth()
     results = {"gpu": gpu_name(), "copy_gbps": copy / 1e9, "dtype": dtype,
                "weight_dtype": weight_dtype or dtype, "elements": ELEMENTS, "rows": []}
     print(f"# {results['gpu']}: device-to-device copy {copy / 1e9:.0f} GB/s (read + write)", file=out)
     print(f"{'op':<36} {'N or K':>6} {'ms':>8} {'GB/s':>7} {'of copy':>7}", file=out)
     cases = [norm_cases(sizes, dtype, weight_dtype, only=pairs)]
-    count = len(sizes) * len(pairs) + len(head_dims)
+    count = len(sizes) * len(pairs) + len(head_dims) + qk
     if extras:
         cases += [norm_cases(STRIDED[0], dtype, weight_dtype, PLAIN_OPS, STRIDED[1], only=pairs),
                   norm_cases(ODD_SIZES, dtype, weight_dtype, PLAIN_OPS, only=pairs)]
         count += (len(STRIDED[0]) + len(ODD_SIZES)) * sum(op in PLAIN_OPS for op, _ in pairs)
     with progress(count, "benchmarking", out) as (bar, echo):
-        for case in itertools.chain(*cases, delta_cases(head_dims, dtype)):
+        for case in itertools.chain(*cases, delta_cases(head_dims, dtype), qk_cases(dtype) if qk else ()):
             ms = median_ms(case.call, repeat)
             bw = case.nbytes / (ms * 1e-3)
             results["rows"].append({"op": case.op, "n": case.n, "ms": ms, "gbps": bw / 1e9,
                                     "fraction_of_copy": bw / copy})
             echo(f"{case.op:<36} {case.n:>6} {ms:>8.4f} {bw / 1e9:>7.0f} {bw / copy:>7.3f}")
+            if case.native is not None:  # torch doing the same, same bytes counted
+                ms = median_ms(case.native, repeat)
+                bw = case.nbytes / (ms * 1e-3)
+                results["rows"].append({"op": f"{case.op} (torch)", "n": case.n, "ms": ms, "gbps": bw / 1e9,
+                                        "fraction_of_copy": bw / copy})
+                echo(f"{'  torch: ' + case.op:<36} {case.n:>6} {ms:>8.4f} {bw / 1e9:>7.0f} {bw / copy:>7.3f}")
             bar.update(1)
     return results
 

@@ -77,6 +77,7 @@ class Case:
     bias_layout: str | None = None
     heads: int = 0  # > 0: row tensors are [2, rows / (2 * heads), heads, N] (the "qkv" layout needs it)
     per_head: bool = False  # weight and bias of shape [heads, N] (needs heads)
+    from_output: bool = False  # the memory-efficient backward: from the forward's output y (and its bias)
 
     def label(self) -> str:
         if self.op == "attention_delta":
@@ -95,7 +96,7 @@ class Case:
                   (f"weight={self.weight_layout}", self.weight_layout != "contiguous"),
                   (f"bias@{self.bias_layout}", self.bias_layout not in (None, self.weight_layout)),
                   ("in-place", self.in_place), (f"heads={self.heads}", self.heads > 0),
-                  ("per-head-weights", self.per_head)]
+                  ("per-head-weights", self.per_head), ("from-output", self.from_output)]
         flags = "".join(f" {text}" for text, on in extras if on)
         return f"{self.op} N={self.hidden_size} M={self.rows} x={self.dtype} w={self.weight_dtype}{flags}"
 
@@ -269,6 +270,28 @@ def flag_cases(sizes=None, rows=(37,), dtypes_=dtypes.NAMES) -> list:
                     cases.append(Case(op, n, m, "bfloat16", "bfloat16", bias_dtype="float32", residual_dtype=res))
                 cases.append(Case(op, 1000, m, "float32", "bfloat16", has_weight=False))
         cases += qkv_cases(op)
+        if op.endswith("_backward"):
+            cases += from_output_cases(op)
+    return cases
+
+
+def from_output_cases(op: str) -> list:
+    """The memory-efficient backward (from y and the forward's bias): every input dtype, aligned and general
+    rows, a cluster size, with and without weight and bias, zero-centered, dresidual, a weight per head."""
+    rms = op.startswith("rms")
+    m = 64
+    cases = [Case(op, n, m, dt, wdt, has_bias=has_b, has_weight=has_w, zero_centered=zc, residual_dtype=res,
+                  from_output=True)
+             for n, dt, wdt, has_w, has_b, zc, res in (
+                 (1024, "bfloat16", "bfloat16", True, True, False, None),
+                 (4097, "float32", "bfloat16", True, True, True, None),
+                 (4096, "float16", "float32", True, False, False, "float16"),
+                 (16384, "bfloat16", "float32", True, True, False, "float32"),
+                 (1000, "float64", "float64", True, True, True, None),
+                 (768, "float32", "float32", False, True, False, None),
+                 (33, "bfloat16", "bfloat16", True, not rms, False, None))]
+    cases.append(Case(op, 128, m, "bfloat16", "bfloat16", has_bias=True, heads=4, layout="qkv", per_head=True,
+                      from_output=True))
     return cases
 
 
@@ -449,7 +472,8 @@ def case_call(case: Case) -> dict:
                           bias_dtype=(case.bias_dtype or case.weight_dtype) if case.has_bias else None,
                           residual_dtype=res, residual_out_dtype=None if case.backward else case.residual_out_dtype,
                           zero_centered=case.zero_centered,
-                          per_head=case.per_head and (case.has_weight or (case.has_bias and not case.backward)))
+                          per_head=case.per_head and (case.has_weight or (case.has_bias and not case.backward)),
+                          from_output=case.from_output)
     inputs = ["x"] + (["dy"] if case.backward else []) + (["residual"] if res is not None else [])
     if case.heads:  # leading axes [2, S, heads]: three-axis rows where a layout does not merge them
         named = {t: _layout_tensor(case.layout_of(t), case.lead, n, case.dtype) for t in inputs}
@@ -710,7 +734,7 @@ def _run_backward(case: Case, rng, source=None) -> list:
 
     from .norm import layer_norm_backward, rms_norm_backward
 
-    x, w, _, _ = _inputs(case, rng)
+    x, w, b, _ = _inputs(case, rng)
     g = _gpu_rng(rng)
     m, n = case.rows, case.hidden_size
     dy = row_tensor(g, m, n, case.out_dtype or case.dtype, case.layout_of("dy"),
@@ -724,7 +748,23 @@ def _run_backward(case: Case, rng, source=None) -> list:
     eps = 1e-5
     kwargs = dict(dresidual=dres, zero_centered_weight=zc, out=dy if case.in_place else _given_out(case, case.dtype),
                   source=source)
-    if case.rms:
+    if case.from_output:
+        # The op's inputs: y from the float64 forward in x's dtype and layout, its statistics rounded; the
+        # reference is the float64 backward of those very inputs.
+        fwd = (reference.rms_norm(x, w, eps, bias=b, zero_centered_weight=zc) if case.rms else
+               reference.layer_norm(x, w, b, eps, zero_centered_weight=zc))
+        y = row_tensor(g, m, n, case.dtype, case.layout, cupy.asarray(fwd[0]).reshape(m, n), _lead(case))
+        rstd = cupy.asarray(fwd[-1], dtype=stats_dtype)
+        refs = reference.norm_backward_from_output(dy, y, rstd, w, b, rms=case.rms, dresidual=dres,
+                                                   zero_centered_weight=zc)
+        dx_scale = dx_scale_of(dy, w, zc, rstd)
+        op = rms_norm_backward if case.rms else layer_norm_backward
+        with poisoned_allocations():
+            got = op(dy, rstd=rstd, weight=w, y=y, bias=b, **kwargs)
+        names = ("dx", "dweight", "dbias")[:3 if case.has_bias or not case.rms else 2]
+        if len(got) != len(names):
+            return [Result(case, f"{len(got)} results, not {len(names)}", float("inf"), 0.0)]
+    elif case.rms:
         _, rstd64 = reference.rms_norm(x, w, eps, zero_centered_weight=zc)
         rstd = cupy.asarray(rstd64, dtype=stats_dtype)
         # The reference takes the exact statistics, the op their rounding (what a forward returns).

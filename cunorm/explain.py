@@ -82,7 +82,8 @@ def explain(op, *args, arch: int | str | None = None, **kwargs) -> Explanation:
     if backward:
         call_args, on_gpu, base = calls.backward_args(rms, a["dy"], a["x"], a.get("mean"), a["rstd"], a["weight"],
                                                       a.get("has_bias", False), a.get("bias_dtype"),
-                                                      a["dresidual"], a["zero_centered_weight"], a["out"])
+                                                      a["dresidual"], a["zero_centered_weight"], a["out"],
+                                                      a["y"], a["bias"])
     else:
         call_args, on_gpu, base, _ = calls.forward_args(rms, a["x"], a["weight"], a.get("bias"), a["eps"],
                                                         a["residual"], a["residual_dtype"],

@@ -110,6 +110,20 @@ def rms_norm_backward(dy, x, rstd, weight=None, *, dresidual=None, zero_centered
     return dx, dweight
 
 
+def norm_backward_from_output(dy, y, rstd, weight=None, bias=None, *, rms: bool = False, dresidual=None,
+                              zero_centered_weight: bool = False):
+    """(dx, dweight, dbias) in float64 from the forward's output y (the
+    memory-efficient backward): xhat = (y - bias) / w. Exact given exact y;
+    y's rounding reaches xhat divided by w."""
+    dy, y, rstd = _f64(dy), _f64(y), _f64(rstd)[..., None]
+    w = _effective_weight(weight, zero_centered_weight)
+    shifted = y - _f64(bias) if bias is not None else y
+    xhat = shifted / w if w is not None else shifted
+    dx = _row_grads(dy, xhat, rstd, w, dresidual, centered=not rms)
+    lead = _summed_axes(y, weight)
+    return dx, ((dy * xhat).sum(axis=lead) if weight is not None else None), dy.sum(axis=lead)
+
+
 def attention_delta(out, grad_out):
     """D = rowsum(out * grad_out) over the last axis, float64."""
     return (_f64(out) * _f64(grad_out)).sum(axis=-1)

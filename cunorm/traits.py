@@ -75,6 +75,9 @@ class Traits:
       rows only).
     per_head: weight and bias of shape [heads, N], row r taking head r % heads
       (read where used: cache_weights must be False).
+    from_output: (backward) the memory-efficient backward: the row input is
+      the forward's output y, xhat = (y - bias) / weight (with has_bias, the
+      bias is read too); input_dtype is then y's.
     """
 
     hidden_size: int
@@ -105,6 +108,7 @@ class Traits:
     backward: bool = False
     row_axes: int = 1
     per_head: bool = False
+    from_output: bool = False
 
     KNOBS = KNOBS  # what `traits=` may force and tuning varies
 
@@ -220,6 +224,8 @@ class Traits:
             folds = self.smem_accumulators or self.warps_m > 1
             sums = 2 * self.stage_slots * self.elts_per_ldg * dtypes.itemsize(self.compute_dtype) if folds else 0
             weights = self._weight_slot_bytes(self.weight_dtype) if self.has_weight else 0
+            if self.from_output and self.has_bias:  # the bias is read to recover xhat
+                weights += self._weight_slot_bytes(self.bias_dtype)
             return sums + staged + weights
         weights = ((self._weight_slot_bytes(self.weight_dtype) if self.has_weight else 0)
                    + (self._weight_slot_bytes(self.bias_dtype) if self.has_bias else 0))
@@ -275,6 +281,7 @@ class Traits:
         rule(self.row_axes == 1 or self.aligned_rows, "rows through three leading axes must be aligned rows")
         rule(not self.per_head or not self.cache_weights, "per-head weights are read per row, not held "
              "(cache_weights must be False)")
+        rule(self.backward or not self.from_output, "from_output is a backward flag")
         rule(not self.zero_centered or self.has_weight, "a zero-centered weight needs a weight")
         rule(1 <= self.min_ctas_per_sm and self.min_ctas_per_sm * self.threads_per_cta <= 2048,
              "MIN_CTAS_PER_SM must be >= 1 and fit 2048 threads per SM")
@@ -305,7 +312,8 @@ class Traits:
                                                      ("zero-centered", self.zero_centered),
                                                      ("general", not self.aligned_rows),
                                                      ("3-axis-rows", self.row_axes == 3),
-                                                     ("per-head-weights", self.per_head)) if on)
+                                                     ("per-head-weights", self.per_head),
+                                                     ("from-output", self.from_output)) if on)
         if self.has_residual:  # the residual read and residual_out written: two tensors, a dtype each
             flags += (f" dresidual={self.residual_dtype}" if self.backward else
                       f" residual={self.residual_dtype}->{self.residual_out_dtype}")
@@ -352,6 +360,7 @@ class Traits:
             "STAGES": self.stages,
             "SMEM_ACCUMULATORS": "true" if self.smem_accumulators else "false",
             "RECOMPUTE": "true" if self.recompute else "false",
+            "FROM_OUTPUT": int(self.from_output),
             "LDGS": self.ldgs,
             "THREADS_PER_CTA": self.threads_per_cta,
             "ELTS_PER_THREAD": self.elts_per_thread,

@@ -16,14 +16,19 @@
 
 constexpr bool SMEM_ACCUMULATORS = ${SMEM_ACCUMULATORS};
 constexpr bool RECOMPUTE = ${RECOMPUTE};  // recompute xhat and g after the reduction instead of holding them
+// The memory-efficient backward: `x` holds the forward's output y, and xhat = (y - beta) / g (g = gamma or
+// 1 + gamma; beta only with HAS_BIAS), so the forward's input need not be kept. Inexact where g is near 0.
+#define CN_FROM_OUTPUT ${FROM_OUTPUT}
+constexpr bool FROM_OUTPUT = CN_FROM_OUTPUT;
 using AccVec = Vec<compute_t, ELTS_PER_LDG>;
 // Column-sum slots of a CTA in shared memory: [2 (dgamma, dbeta)][WARPS_M][LDGS][THREADS_PER_ROW]
 // vectors. Used by the accumulators themselves, or (in registers) to fold WARPS_M rows into one.
 constexpr int ACC_SLOTS = WARPS_M * LDGS * THREADS_PER_ROW;
 constexpr int ACC_BYTES = (SMEM_ACCUMULATORS || WARPS_M > 1) ? 2 * ACC_SLOTS * int(sizeof(AccVec)) : 0;
-// Dynamic shared memory: [column-sum slots][staged x][staged dy][staged dresidual][gamma slots].
+// Dynamic shared memory: [column-sum slots][staged x][staged dy][staged dresidual][gamma slots][beta slots].
 constexpr int SMEM_BYTES = ACC_BYTES + RowPipe<input_t>::BYTES + RowPipe<output_t>::BYTES +
-                           RowPipe<residual_t, HAS_RESIDUAL>::BYTES + RowWeights<weight_t, HAS_WEIGHT>::BYTES;
+                           RowPipe<residual_t, HAS_RESIDUAL>::BYTES + RowWeights<weight_t, HAS_WEIGHT>::BYTES +
+                           RowWeights<bias_t, FROM_OUTPUT && HAS_BIAS>::BYTES;
 static_assert(SMEM_BYTES == ${SMEM_BYTES}, "cunorm.Traits.smem_bytes disagrees with the kernel");
 constexpr int SUMS = RMS ? 1 : 2;  // row sums: [sum(g),] sum(g * xhat)
 
@@ -129,6 +134,9 @@ norm_bwd(const output_t* dy, const input_t* x, const residual_t* dresidual,
 #if CN_PER_HEAD
          , long long heads, long long gamma_head_stride
 #endif
+#if CN_FROM_OUTPUT
+         , const bias_t* __restrict__ beta, long long beta_stride, long long beta_head_stride
+#endif
 ) {
 #if !CN_PER_HEAD
   constexpr long long heads = 1, gamma_head_stride = 0;
@@ -152,6 +160,20 @@ norm_bwd(const output_t* dy, const input_t* x, const residual_t* dresidual,
   RowPipe<residual_t, HAS_RESIDUAL> drs(next, dresidual, ldres, rows, at);
   next += drs.BYTES;
   const RowWeights<weight_t, HAS_WEIGHT> w(gamma, gamma_stride, next, at, heads, gamma_head_stride);
+#if CN_FROM_OUTPUT
+  next += w.BYTES;
+  const RowWeights<bias_t, HAS_BIAS> bvals(beta, beta_stride, next, at, heads, beta_head_stride);
+#endif
+  // xhat of element e of LDG step `it` (v: x, or y FROM_OUTPUT; wv: gamma's vector there).
+  auto xhat_of = [&](const InVec& v, const auto& wv, int it, int e, long long row, compute_t mu, compute_t rs) {
+#if CN_FROM_OUTPUT
+    compute_t shifted = v.get(e);
+    if constexpr (HAS_BIAS) shifted -= compute_t(bvals(it, at, row).get(e));
+    return HAS_WEIGHT ? shifted / scale_of(wv.get(e)) : shifted;
+#else
+    return (v.get(e) - mu) * rs;
+#endif
+  };
 
   constexpr compute_t inv_cols = compute_t(1) / compute_t(COLS);
   constexpr bool ZERO_XHAT = !RMS && COLS == 1;  // a row of one element normalizes to 0
@@ -161,7 +183,7 @@ norm_bwd(const output_t* dy, const input_t* x, const residual_t* dresidual,
     xs.read(stage, row, xv, at);
     dys.read(stage, row, dyv, at);
     const compute_t rs = row_ok ? rstd[row] : compute_t(0);
-    const compute_t mu = (RMS || !row_ok) ? compute_t(0) : mean[row];  // xhat = (x - mu) * rs: exact when |mu| >> std
+    const compute_t mu = (RMS || FROM_OUTPUT || !row_ok) ? compute_t(0) : mean[row];  // exact when |mu| >> std
     mask_row(xv, at);
     mask_row(dyv, at);
 
@@ -172,7 +194,7 @@ norm_bwd(const output_t* dy, const input_t* x, const residual_t* dresidual,
       AccVec dg = dgamma_acc.get(it), db = dbeta_acc.get(it);
 #pragma unroll
       for (int e = 0; e < ELTS_PER_LDG; ++e) {
-        const compute_t xhat = ZERO_XHAT ? compute_t(0) : (xv[it].get(e) - mu) * rs;
+        const compute_t xhat = ZERO_XHAT ? compute_t(0) : xhat_of(xv[it], wv, it, e, row, mu, rs);
         const compute_t d = dyv[it].get(e);
         const compute_t g = HAS_WEIGHT ? d * scale_of(wv.get(e)) : d;
         if constexpr (!RMS) sums[0] += g;
@@ -208,7 +230,7 @@ norm_bwd(const output_t* dy, const input_t* x, const residual_t* dresidual,
           compute_t out[ELTS_PER_LDG];
 #pragma unroll
           for (int e = 0; e < ELTS_PER_LDG; ++e) {
-            const compute_t xhat = ZERO_XHAT ? compute_t(0) : (xv[it].get(e) - mu) * rs;
+            const compute_t xhat = ZERO_XHAT ? compute_t(0) : xhat_of(xv[it], wv, it, e, row, mu, rs);
             const compute_t d = dyv[it].get(e);
             const compute_t g = HAS_WEIGHT ? d * scale_of(wv.get(e)) : d;
             out[e] = ZERO_XHAT ? compute_t(0) : cn_fma(a, g, cn_fma(c, xhat, b));

@@ -326,3 +326,28 @@ def test_weights_per_head_on_the_numpy_path(rng):
         cunorm.layer_norm(x, np.ones((5, 32), np.float32))
     with pytest.raises(ValueError, match="weight: shape"):
         cunorm.layer_norm(x[0, 0, 0], np.ones((1, 32), np.float32))
+
+
+def test_memory_efficient_backward_from_the_output_on_the_numpy_path(rng):
+    """layer_norm_backward / rms_norm_backward from y (and the forward's bias) instead of x and mean equal
+    the backward from x; dbias comes exactly with a bias; mixing the two forms is refused naming the
+    argument."""
+    x = rng.standard_normal((6, 40)) + 2
+    w, b = rng.uniform(0.5, 1.5, 40), rng.standard_normal(40)
+    dy = rng.standard_normal(x.shape)
+    y, mean, rstd = cunorm.layer_norm(x, w, b, return_stats=True)
+    for got, want in zip(cunorm.layer_norm_backward(dy, rstd=rstd, weight=w, y=y, bias=b),
+                         cunorm.layer_norm_backward(dy, x, mean, rstd, w)):
+        np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-12)
+    y, rstd = cunorm.rms_norm(x, w, return_stats=True)
+    got = cunorm.rms_norm_backward(dy, rstd=rstd, weight=w, y=y)
+    assert len(got) == 2
+    for g, want in zip(got, cunorm.rms_norm_backward(dy, x, rstd, w)):
+        np.testing.assert_allclose(g, want, rtol=1e-10, atol=1e-12)
+    assert cunorm.layer_norm_backward(dy, rstd=rstd, weight=w, y=y)[2] is None  # no bias given: no dbias
+    with pytest.raises(TypeError, match="x: give x and the forward's statistics, or y="):
+        cunorm.layer_norm_backward(dy, x, mean, rstd, w, y=y)
+    with pytest.raises(TypeError, match="bias: only with y="):
+        cunorm.layer_norm_backward(dy, x, mean, rstd, w, bias=b)
+    with pytest.raises(ValueError, match=r"rstd: shape \(5,\) does not match y.shape\[:-1\]"):
+        cunorm.rms_norm_backward(dy, rstd=rstd[:5], weight=w, y=y)

@@ -86,9 +86,9 @@ def _forward(rms, key, ptrs, x, weight, bias, eps, residual, residual_dtype, zer
 
 
 def _backward(rms, key, dy, x, mean, rstd, weight, has_bias, bias_dtype, dresidual, zero_centered_weight, out,
-              traits, source):
+              traits, source, y=None, bias=None):
     args, on_gpu, base = calls.backward_args(rms, dy, x, mean, rstd, weight, has_bias, bias_dtype, dresidual,
-                                             zero_centered_weight, out)
+                                             zero_centered_weight, out, y, bias)
     if not on_gpu:
         _check_as_on_gpu(plans.backward_prepare, args, base, traits, source)
         return cpu.backward(args, base, rms)
@@ -139,8 +139,9 @@ def rms_norm(x, weight=None, eps=1e-6, *, bias=None, residual=None, residual_dty
                          out_dtype, out, traits, source)
 
 
-def layer_norm_backward(dy, x, mean, rstd, weight=None, *, has_bias=True, bias_dtype=None, dresidual=None,
-                        zero_centered_weight=False, out=None, traits=None, source=None):
+def layer_norm_backward(dy, x=None, mean=None, rstd=None, weight=None, *, y=None, bias=None, has_bias=True,
+                        bias_dtype=None, dresidual=None, zero_centered_weight=False, out=None, traits=None,
+                        source=None):
     """Gradients of `layer_norm` given dy and the forward's saved mean and rstd.
 
     x is what was normalized (residual_out when a residual was used). Returns
@@ -151,24 +152,32 @@ def layer_norm_backward(dy, x, mean, rstd, weight=None, *, has_bias=True, bias_d
     in `bias_dtype` (default the weight's dtype, float32 without a weight).
     Accumulated in fp32, bitwise reproducible run to run. dweight does not change
     with zero_centered_weight.
+
+    Memory-efficient form (the forward's input need not be kept): pass `y=`
+    (the forward's output) instead of x and mean, with rstd, the weight and,
+    if the forward had one, `bias=`: xhat = (y - bias) / weight. dx is then in
+    y's dtype, and dbias is returned exactly when a bias is given. Inexact
+    where the weight is near zero (xhat carries y's rounding divided by it).
     """
-    values = (dy, x, mean, rstd, weight, dresidual, out)
-    key, ptrs = _call_key(values, (2, has_bias, bias_dtype, zero_centered_weight, source, traits))
+    values = (dy, x if y is None else y, mean, rstd, weight, dresidual, out, bias)
+    key, ptrs = _call_key(values, (2, has_bias, bias_dtype, zero_centered_weight, source, traits, y is None))
     hit = _CALLS.get(key)
     if hit is not None:
         return hit.run(values, ptrs)
     return _backward(False, key, dy, x, mean, rstd, weight, has_bias, bias_dtype, dresidual, zero_centered_weight,
-                     out, traits, source)
+                     out, traits, source, y, bias)
 
 
-def rms_norm_backward(dy, x, rstd, weight=None, *, has_bias=False, bias_dtype=None, dresidual=None,
-                      zero_centered_weight=False, out=None, traits=None, source=None):
+def rms_norm_backward(dy, x=None, rstd=None, weight=None, *, y=None, bias=None, has_bias=False, bias_dtype=None,
+                      dresidual=None, zero_centered_weight=False, out=None, traits=None, source=None):
     """Gradients of `rms_norm`: (dx, dweight), as in `layer_norm_backward`;
-    (dx, dweight, dbias) with `has_bias=True` (a forward with a bias)."""
-    values = (dy, x, None, rstd, weight, dresidual, out)
-    key, ptrs = _call_key(values, (3, has_bias, bias_dtype, zero_centered_weight, source, traits))
+    (dx, dweight, dbias) with `has_bias=True` (a forward with a bias). The
+    memory-efficient form takes `y=` (and `bias=` if the forward had one)
+    in place of x, as in `layer_norm_backward`."""
+    values = (dy, x if y is None else y, None, rstd, weight, dresidual, out, bias)
+    key, ptrs = _call_key(values, (3, has_bias, bias_dtype, zero_centered_weight, source, traits, y is None))
     hit = _CALLS.get(key)
     if hit is not None:
         return hit.run(values, ptrs)
     return _backward(True, key, dy, x, None, rstd, weight, has_bias, bias_dtype, dresidual, zero_centered_weight,
-                     out, traits, source)
+                     out, traits, source, y, bias)

@@ -24,8 +24,10 @@ class Direction:
 
 FORWARD = Direction(("x", "weight", "bias", "residual", "out"), ("x", "residual"), ("weight", "bias"),
                     {"out": ("x",)})
-BACKWARD = Direction(("dy", "x", "mean", "rstd", "weight", "dresidual", "out"), ("x", "dy", "dresidual"),
-                     ("weight", "mean", "rstd"), {"out": ("dy", "dresidual")})
+# The backward's "x" is y, the forward's output, in the memory-efficient form (`from_output`), which also
+# reads the forward's bias.
+BACKWARD = Direction(("dy", "x", "mean", "rstd", "weight", "dresidual", "out", "bias"), ("x", "dy", "dresidual"),
+                     ("weight", "mean", "rstd", "bias"), {"out": ("dy", "dresidual")})
 
 
 def hidden_size(x: arrays.Arg) -> int:
@@ -97,7 +99,8 @@ def _out_dtype(out, out_dtype, default: str, what: str) -> str:
 
 def call_base(*, rms: bool, backward: bool, hidden_size: int, input_dtype: str, output_dtype: str,
               weight_dtype: str | None, bias_dtype: str | None, residual_dtype: str | None,
-              zero_centered: bool, residual_out_dtype: str | None = None, per_head: bool = False) -> dict:
+              zero_centered: bool, residual_out_dtype: str | None = None, per_head: bool = False,
+              from_output: bool = False) -> dict:
     """The dispatch fields of a call (absent arguments: None dtypes). The
     residual read (forward) or dresidual (backward) and the residual_out
     written (forward only) are two tensors with a dtype each: residual_out
@@ -111,7 +114,7 @@ def call_base(*, rms: bool, backward: bool, hidden_size: int, input_dtype: str, 
                                                                   or ABSENT_DTYPE),
                 has_weight=weight_dtype is not None, has_bias=bias_dtype is not None, rms=rms,
                 has_residual=residual_dtype is not None, zero_centered=zero_centered, backward=backward,
-                per_head=per_head)
+                per_head=per_head, **({"from_output": True} if from_output else {}))
 
 
 def forward_args(rms, x, weight, bias, eps, residual, residual_dtype, zero_centered_weight, out_dtype, out):
@@ -138,16 +141,34 @@ def forward_args(rms, x, weight, bias, eps, residual, residual_dtype, zero_cente
     return args, on_gpu, base, check_eps(eps)
 
 
-def backward_args(rms, dy, x, mean, rstd, weight, has_bias, bias_dtype, dresidual, zero_centered_weight, out):
-    """Validates a backward call. Returns (args, on_gpu, base); args["mean"] is None for RMSNorm."""
-    required = {"dy": dy, "x": x} | ({} if rms else {"mean": mean}) | {"rstd": rstd}
-    args, on_gpu = arrays.take_all(required, {"weight": weight, "dresidual": dresidual, "out": out})
-    args.setdefault("mean", None)
+def backward_args(rms, dy, x, mean, rstd, weight, has_bias, bias_dtype, dresidual, zero_centered_weight, out,
+                  y=None, bias=None):
+    """Validates a backward call. Returns (args, on_gpu, base); args["mean"] is None for RMSNorm. With `y`
+    (the memory-efficient backward, from the forward's output) args["x"] is y (named so in errors), mean is
+    not taken and args["bias"] is the forward's bias, whose presence decides dbias."""
+    from_output = y is not None
+    if from_output:
+        if x is not None:
+            raise TypeError("x: give x and the forward's statistics, or y= (its output, the memory-efficient "
+                            "backward), not both")
+        if mean is not None:
+            raise TypeError("mean: not taken with y= (the memory-efficient backward needs rstd only)")
+        args, on_gpu = arrays.take_all({"dy": dy, "y": y, "rstd": rstd},
+                                       {"weight": weight, "dresidual": dresidual, "out": out, "bias": bias})
+        args["x"], args["mean"] = args.pop("y"), None
+        has_bias = bias is not None
+    else:
+        if bias is not None:
+            raise TypeError("bias: only with y= (the memory-efficient backward reads the forward's bias)")
+        required = {"dy": dy, "x": x} | ({} if rms else {"mean": mean}) | {"rstd": rstd}
+        args, on_gpu = arrays.take_all(required, {"weight": weight, "dresidual": dresidual, "out": out})
+        args.setdefault("mean", None)
+        args["bias"] = None
     X, DY, W, DR, O = (args[k] for k in ("x", "dy", "weight", "dresidual", "out"))
     x_dtype = arrays.check_dtype(X)
     n = hidden_size(X)
     dy_dtype = arrays.check_dtype(DY)
-    arrays.check_shape(DY, X.array.shape, "x's shape")
+    arrays.check_shape(DY, X.array.shape, f"{X.name}'s shape")
     lead = tuple(X.array.shape[:-1])
     # float32 or float64 statistics, whatever x is: the forward of a residual sum returns them in its x's
     # compute dtype, which residual_out (the backward's x) need not share. Converted to the backward's
@@ -155,18 +176,25 @@ def backward_args(rms, dy, x, mean, rstd, weight, has_bias, bias_dtype, dresidua
     for name in ("mean", "rstd"):
         if args[name] is not None:
             arrays.check_dtype(args[name], STATS_DTYPES)
-            arrays.check_shape(args[name], lead, "x.shape[:-1]")
+            arrays.check_shape(args[name], lead, f"{X.name}.shape[:-1]")
     w_dtype = _vector_arg(W, n, X.array.shape)
     if DR is not None:
         arrays.check_dtype(DR)
         arrays.check_shape(DR, DY.array.shape, "dy's shape")
     if O is not None:
-        arrays.check_shape(O, X.array.shape, "x's shape")
+        arrays.check_shape(O, X.array.shape, f"{X.name}'s shape")
         _out_dtype(O, None, x_dtype, "x's dtype")
     has_bias = bool(has_bias)
     b_dtype = _dtype_arg("bias_dtype", bias_dtype, w_dtype) if has_bias else None
+    B = args["bias"]
+    if B is not None:  # from_output: dbias in the bias's dtype
+        given = _vector_arg(B, n, X.array.shape)
+        if bias_dtype is not None and b_dtype != given:
+            raise TypeError(f"bias_dtype: {b_dtype} differs from the bias's dtype {given} (dbias takes the bias's)")
+        b_dtype = given
     base = call_base(rms=rms, backward=True, hidden_size=n, input_dtype=x_dtype, output_dtype=dy_dtype,
                      weight_dtype=w_dtype if W is not None else None, bias_dtype=b_dtype,
                      residual_dtype=DR.dtype_name if DR is not None else None,
-                     zero_centered=_zero_centered(zero_centered_weight, W), per_head=per_head(W))
+                     zero_centered=_zero_centered(zero_centered_weight, W), per_head=per_head(W, B),
+                     from_output=from_output)
     return args, on_gpu, base

@@ -35,7 +35,11 @@ def backward(args: dict, base: dict, rms: bool):
     X, DY, W, DR, O = (args[k] for k in ("x", "dy", "weight", "dresidual", "out"))
     zc = base["zero_centered"]
     w_np, b_np = dtypes.numpy_dtype(base["weight_dtype"]), dtypes.numpy_dtype(base["bias_dtype"])
-    if rms:
+    if base.get("from_output"):  # X is the forward's output y
+        dx, dw, db = reference.norm_backward_from_output(DY.array, X.array, args["rstd"].array, _arr(W),
+                                                         _arr(args.get("bias")), rms=rms, dresidual=_arr(DR),
+                                                         zero_centered_weight=zc)
+    elif rms:
         dx, dw = reference.rms_norm_backward(DY.array, X.array, args["rstd"].array, _arr(W), dresidual=_arr(DR),
                                              zero_centered_weight=zc)
         db = reference.bias_grad(DY.array, _arr(W))

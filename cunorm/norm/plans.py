@@ -257,6 +257,8 @@ def backward_plan(args: dict, base: dict, traits, rms: bool, source: str | None 
         if present:  # per head: [heads, N]
             outputs.append(Output(name, (p.heads, n) if t.per_head else (n,), dtypes.numpy_dtype(dtype)))
     copy_w, w_stride, w_heads = _weight_layout(W, t)
+    B = args.get("bias")  # the forward's bias, read by the memory-efficient backward
+    copy_b, b_stride, b_heads = _weight_layout(B, t)
     copies = [name for name in BACKWARD.row_inputs if p.rows[name] is not None and p.rows[name].copied]
     # mean and rstd are read by row number in the compute dtype: a strided view, or statistics of the other
     # float dtype, are copied (documented).
@@ -265,7 +267,7 @@ def backward_plan(args: dict, base: dict, traits, rms: bool, source: str | None 
         a = None if args[s] is None else args[s].array
         if a is not None and (not a.c_contiguous or a.dtype != stats_dtype):
             copies.append(s if a.dtype == stats_dtype else (s, stats_dtype))
-    copies += ["weight"] * copy_w
+    copies += ["weight"] * copy_w + ["bias"] * copy_b
     launches, scratch, zeros = [], [], []
     sums = t.has_weight or t.has_bias
     if p.row_count:
@@ -279,7 +281,8 @@ def backward_plan(args: dict, base: dict, traits, rms: bool, source: str | None 
             ("ptr", "dy"), ("ptr", "x"), ("ptr", "dresidual"), ("ptr", "mean"), ("ptr", "rstd"), ("ptr", "weight"),
             ("ptr", "dx"), ("ptr", "dgamma_part"), ("ptr", "dbeta_part"), ("i64", p.row_count),
             _ld(p.rows["x"], t), _ld(p.rows["dy"], t), _ld(p.rows["dresidual"], t), _ld(dx_row, t),
-            ("i64", w_stride)] + ([("i64", p.heads), ("i64", w_heads)] if t.per_head else [])))
+            ("i64", w_stride)] + ([("i64", p.heads), ("i64", w_heads)] if t.per_head else [])
+            + ([("ptr", "bias"), ("i64", b_stride), ("i64", b_heads)] if t.from_output else [])))
         if sums:
             fin = kernels["norm_bwd_finalize"]
             launches.append(Launch(fin, -(-n // t.finalize_cols_per_cta) * p.heads, [

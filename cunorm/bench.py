@@ -26,7 +26,8 @@ DIRECTIONS = ("fwd", "bwd")
 # `cunorm bench --ops` names: the (op, direction) each stands for; "delta" is attention_delta.
 OP_CHOICES = {f"{name}{extra}": (f"{op}{extra}", "bwd" if backward else "fwd")
               for extra in ("", "+residual") for name, (op, backward) in SHORT_NAMES.items()}
-BENCH_OPS = (*OP_CHOICES, "delta", "qk")  # qk: q/k-norm on a fused QKV buffer (`qk_cases`)
+BENCH_OPS = (*OP_CHOICES, "delta", "qk", "fp8")  # qk: q/k-norm of a fused QKV buffer; fp8: fp8-output RMSNorm
+FP8_SHAPE = (16384, 4096)  # rows, N of `fp8_cases`
 QK_SHAPE = (16384, 32, 128)  # rows B*S, heads, head dim of `qk_cases`
 
 
@@ -196,6 +197,46 @@ def qk_cases(dtype: str = "bfloat16", shape=QK_SHAPE):
                lambda **kwargs: rms_norm(q, w, out=q, **kwargs), native)
 
 
+def fp8_cases(dtype: str = "bfloat16", shape=FP8_SHAPE):
+    """Yields the fp8-output Case: RMSNorm + residual forward with y stored as
+    float8_e4m3fn scaled per row; bytes are x and the residual read,
+    residual_out (x's dtype) and y (1 byte) written, and the row scales (4
+    bytes a row). Its native is torch doing the same unfused: the add, RMSNorm,
+    the row amax and the scaled cast to fp8."""
+    import cupy
+
+    from .norm import rms_norm
+
+    m, n = shape
+    dt = dtypes.numpy_dtype(dtype)
+    x, r = (cupy.random.standard_normal((m, n), dtype=np.float32).astype(dt) for _ in range(2))
+    w = (1 + 0.1 * cupy.random.standard_normal(n, dtype=np.float32)).astype(dt)
+    native = _torch_fp8_rms(x, r, w, n)
+    nbytes = m * n * (3 * dt.itemsize + 1) + 4 * m
+    yield Case(f"rms_norm+residual -> fp8 e4m3 per row [{m}, {n}] fwd", n, nbytes,
+               lambda **kwargs: rms_norm(x, w, residual=r, out_dtype="float8_e4m3fn", scaling="row", **kwargs),
+               native)
+
+
+def _torch_fp8_rms(x, r, w, n: int):
+    """torch's unfused RMSNorm + residual with an fp8 y scaled per row, on these arrays; None without torch."""
+    to_torch = _torch_from_dlpack()
+    if to_torch is None:
+        return None
+    import torch
+    import torch.nn.functional as F
+
+    tx, tr, tw = to_torch(x), to_torch(r), to_torch(w)
+
+    def call():
+        h = tx + tr
+        y = F.rms_norm(h, (n,), tw).float()
+        s = y.abs().amax(-1, keepdim=True) / 448.0
+        return (y / s).to(torch.float8_e4m3fn), s, h
+
+    return call
+
+
 # Layout and odd-size comparisons: strided rows beside contiguous ones at 4096,
 # odd sizes beside their neighbours.
 STRIDED = ((4096,), "stride+64")
@@ -324,20 +365,21 @@ def run(sizes=BENCH_SIZES, dtype="bfloat16", weight_dtype=None, repeat=20, out=s
     BENCH_OPS; None: all) picks the ops and directions."""
     pairs = op_pairs(ops)
     head_dims = head_dims if ops is None or "delta" in ops else ()
-    qk = ops is None or "qk" in ops
+    qk, fp8 = ops is None or "qk" in ops, ops is None or "fp8" in ops
     copy = copy_bandwidth()
     results = {"gpu": gpu_name(), "copy_gbps": copy / 1e9, "dtype": dtype,
                "weight_dtype": weight_dtype or dtype, "elements": ELEMENTS, "rows": []}
     print(f"# {results['gpu']}: device-to-device copy {copy / 1e9:.0f} GB/s (read + write)", file=out)
     print(f"{'op':<36} {'N or K':>6} {'ms':>8} {'GB/s':>7} {'of copy':>7}", file=out)
     cases = [norm_cases(sizes, dtype, weight_dtype, only=pairs)]
-    count = len(sizes) * len(pairs) + len(head_dims) + qk
+    count = len(sizes) * len(pairs) + len(head_dims) + qk + fp8
     if extras:
         cases += [norm_cases(STRIDED[0], dtype, weight_dtype, PLAIN_OPS, STRIDED[1], only=pairs),
                   norm_cases(ODD_SIZES, dtype, weight_dtype, PLAIN_OPS, only=pairs)]
         count += (len(STRIDED[0]) + len(ODD_SIZES)) * sum(op in PLAIN_OPS for op, _ in pairs)
     with progress(count, "benchmarking", out) as (bar, echo):
-        for case in itertools.chain(*cases, delta_cases(head_dims, dtype), qk_cases(dtype) if qk else ()):
+        for case in itertools.chain(*cases, delta_cases(head_dims, dtype), qk_cases(dtype) if qk else (),
+                                    fp8_cases(dtype) if fp8 else ()):
             ms = median_ms(case.call, repeat)
             bw = case.nbytes / (ms * 1e-3)
             results["rows"].append({"op": case.op, "n": case.n, "ms": ms, "gbps": bw / 1e9,

@@ -78,6 +78,8 @@ class Case:
     heads: int = 0  # > 0: row tensors are [2, rows / (2 * heads), heads, N] (the "qkv" layout needs it)
     per_head: bool = False  # weight and bias of shape [heads, N] (needs heads)
     from_output: bool = False  # the memory-efficient backward: from the forward's output y (and its bias)
+    scaling: str | None = None  # an fp8 out_dtype's scaling: "tensor", "row" or "group"
+    return_amax: bool = False  # (fp8) the call's amax too
 
     def label(self) -> str:
         if self.op == "attention_delta":
@@ -96,7 +98,8 @@ class Case:
                   (f"weight={self.weight_layout}", self.weight_layout != "contiguous"),
                   (f"bias@{self.bias_layout}", self.bias_layout not in (None, self.weight_layout)),
                   ("in-place", self.in_place), (f"heads={self.heads}", self.heads > 0),
-                  ("per-head-weights", self.per_head), ("from-output", self.from_output)]
+                  ("per-head-weights", self.per_head), ("from-output", self.from_output),
+                  (f"scaling={self.scaling}", self.scaling is not None), ("amax", self.return_amax)]
         flags = "".join(f" {text}" for text, on in extras if on)
         return f"{self.op} N={self.hidden_size} M={self.rows} x={self.dtype} w={self.weight_dtype}{flags}"
 
@@ -272,7 +275,47 @@ def flag_cases(sizes=None, rows=(37,), dtypes_=dtypes.NAMES) -> list:
         cases += qkv_cases(op)
         if op.endswith("_backward"):
             cases += from_output_cases(op)
+        else:
+            cases += fp8_cases(op)
     return cases
+
+
+def fp8_cases(op: str) -> list:
+    """fp8 outputs of a forward: both formats, every scaling, fp32/fp16/bf16 x, with and without a residual and
+    the amax, aligned, general (row and tensor scaling) and cluster rows, q/k views."""
+    rms = op.startswith("rms")
+    cases = []
+    for fmt, scaling, n, x, res, amax in (
+            ("float8_e4m3fn", "tensor", 1024, "bfloat16", None, True),
+            ("float8_e5m2", "tensor", 4097, "float32", "bfloat16", False),
+            ("float8_e4m3fn", "row", 4096, "bfloat16", "bfloat16", True),
+            ("float8_e5m2", "row", 4097, "float16", None, False),
+            ("float8_e4m3fn", "row", 65536, "bfloat16", None, True),
+            ("float8_e4m3fn", "group", 4096, "float32", "float32", True),
+            ("float8_e5m2", "group", 1024, "bfloat16", None, False),
+            ("float8_e4m3fn", "group", 16384, "bfloat16", "bfloat16", False),
+            ("float8_e4m3fn", "row", 1, "float32", None, False)):
+        cases.append(Case(op, n, 64, x, x, has_bias=not rms, out_dtype=fmt, residual_dtype=res, scaling=scaling,
+                          return_amax=amax))
+    cases.append(Case(op, 128, 64, "bfloat16", "bfloat16", has_bias=not rms, out_dtype="float8_e4m3fn", heads=4,
+                      layout="qkv", scaling="group", return_amax=True))
+    return cases
+
+
+def fp8_ulps(got, want, fmt: str) -> float:
+    """The largest difference between two fp8 arrays (numpy, ml_dtypes) in units of the format's spacing at
+    the larger magnitude of each pair; NaN where one is NaN and the other is not, 0 where both are."""
+    from .reference import FP8_MAX
+
+    a, b = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    nan_a, nan_b = np.isnan(a), np.isnan(b)
+    if (nan_a != nan_b).any():
+        return float("nan")
+    a, b = np.where(nan_a, 0, a), np.where(nan_b, 0, b)
+    man, min_normal = (3, 2.0 ** -6) if FP8_MAX[fmt] == 448.0 else (2, 2.0 ** -14)
+    m = np.maximum(np.maximum(abs(a), abs(b)), min_normal)
+    spacing = 2.0 ** (np.floor(np.log2(m)) - man)
+    return float((abs(a - b) / spacing).max(initial=0.0))
 
 
 def from_output_cases(op: str) -> list:
@@ -473,7 +516,7 @@ def case_call(case: Case) -> dict:
                           residual_dtype=res, residual_out_dtype=None if case.backward else case.residual_out_dtype,
                           zero_centered=case.zero_centered,
                           per_head=case.per_head and (case.has_weight or (case.has_bias and not case.backward)),
-                          from_output=case.from_output)
+                          from_output=case.from_output, quant=case.scaling or "none", amax=case.return_amax)
     inputs = ["x"] + (["dy"] if case.backward else []) + (["residual"] if res is not None else [])
     if case.heads:  # leading axes [2, S, heads]: three-axis rows where a layout does not merge them
         named = {t: _layout_tensor(case.layout_of(t), case.lead, n, case.dtype) for t in inputs}
@@ -692,14 +735,23 @@ def _run_forward(case: Case, rng, source=None) -> list:
     else:
         y_ref, mean_ref, rstd_ref = reference.layer_norm(h, w, b, eps, zero_centered_weight=zc)
         stats_ref = [("mean", mean_ref), ("rstd", rstd_ref)]
+    fp8 = case.scaling is not None
     kwargs = dict(residual=r, zero_centered_weight=zc, return_stats=True, out_dtype=case.out_dtype,
-                  out=x if case.in_place else _given_out(case, case.out_dtype or case.dtype), source=source)
+                  out=x if case.in_place else (None if fp8 else _given_out(case, case.out_dtype or case.dtype)),
+                  source=source)
     if r is not None and case.residual_out_dtype is not None:
         kwargs["residual_dtype"] = case.residual_out_dtype
+    if fp8:
+        kwargs.update(scaling=case.scaling, return_amax=case.return_amax)
+        if case.scaling == "tensor":  # saturates some values: up to 1.5x the range's worth of |y| past it
+            top = float(abs(y_ref).max()) / reference.FP8_MAX[case.out_dtype]
+            kwargs["scale"] = cupy_array([top * float(rng.uniform(0.6, 1.2))], "float32")
     with poisoned_allocations():
         got = rms_norm(x, w, eps, bias=b, **kwargs) if case.rms else layer_norm(x, w, b, eps, **kwargs)
     got = list(got)
     y = got.pop(0)
+    if fp8:
+        return _fp8_results(case, y, y_ref, got, kwargs.get("scale"), h, stats_ref)
     results = [Result(case, "y", rel_l2(y, y_ref), tolerance(case.out_dtype or case.dtype, case.dtype))]
     if case.in_place and y is not x:
         results.append(Result(case, "y is x", float("inf"), 0.0))
@@ -716,6 +768,36 @@ def _run_forward(case: Case, rng, source=None) -> list:
         results.append(Result(case, name, rel_l2(value, ref), TOLERANCE[stats_dtype]))
         if dtypes.name_of(value.dtype) != stats_dtype:
             results.append(Result(case, f"{name} dtype {value.dtype}", float("inf"), 0.0))
+    return results
+
+
+def cupy_array(values, dtype: str):
+    import cupy
+
+    return cupy.asarray(np.asarray(values, dtype=dtype))
+
+
+def _fp8_results(case: Case, y, y_ref, got: list, scale, h, stats_ref) -> list:
+    """An fp8 forward's results: y within one step of the fp8 grid of the float64 reference quantized as the
+    kernels quantize (bitwise where the fp32 values agree), its scales and amax to fp32 accuracy, then
+    residual_out and the statistics as usual."""
+    import cupy
+
+    q_ref, scales_ref, amax_ref = reference.quantize_fp8(cupy.asnumpy(y_ref), case.out_dtype, case.scaling,
+                                                         None if scale is None else cupy.asnumpy(scale))
+    host = cupy.asnumpy(y).view(dtypes.numpy_dtype(case.out_dtype))  # CuPy: uint8 bits
+    results = [Result(case, "y (fp8 steps)", fp8_ulps(host, q_ref, case.out_dtype), 1.0)]
+    if host.shape != tuple(y_ref.shape):
+        results.append(Result(case, f"y shape {host.shape}", float("inf"), 0.0))
+    if case.residual_dtype is not None:
+        results.append(Result(case, "residual_out", rel_l2(got.pop(0), h),
+                              tolerance(case.residual_out_dtype or case.residual_dtype, case.dtype)))
+    if scales_ref is not None:
+        results.append(Result(case, "scales", rel_l2(got.pop(0), cupy.asarray(scales_ref)), TOLERANCE["float32"]))
+    if case.return_amax:
+        results.append(Result(case, "amax", rel_l2(got.pop(0), cupy.asarray(amax_ref)), TOLERANCE["float32"]))
+    for (name, ref), value in zip(stats_ref, got):
+        results.append(Result(case, name, rel_l2(value, ref), TOLERANCE["float32"]))
     return results
 
 

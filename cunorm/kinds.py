@@ -89,6 +89,8 @@ class CupyKind:
         It returns ([array], [pointer])."""
         import cupy
 
+        # CuPy has no fp8 dtype: fp8 outputs come back as uint8 arrays of their bits (documented).
+        specs = [(shape, np.dtype(np.uint8) if dt in _FP8_DTYPES else dt, *rest) for shape, dt, *rest in specs]
         starts, total = _layout(specs)
         alloc, ndarray = cupy.cuda.alloc, cupy.ndarray
         if not specs:
@@ -132,6 +134,9 @@ class CupyKind:
     @staticmethod
     def zero(a):
         a.fill(0)
+
+
+_FP8_DTYPES = tuple(dtypes.FP8.values())
 
 
 def _cupy_alloc(nbytes: int):
@@ -179,6 +184,9 @@ class TorchKind:
             if dtypes.BFLOAT16 is not None:
                 cls._dtypes[torch.bfloat16] = dtypes.BFLOAT16
             cls._to_torch = {v: k for k, v in cls._dtypes.items()}
+            for name, dt in dtypes.FP8.items():  # outputs only: never an input dtype
+                if hasattr(torch, name):
+                    cls._to_torch[dt] = getattr(torch, name)
             # The raw stream handle without building a Stream object (about 30x cheaper); public API otherwise.
             raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
             cls._raw_stream = raw or (lambda d: torch.cuda.current_stream(d).cuda_stream)

@@ -124,6 +124,39 @@ def norm_backward_from_output(dy, y, rstd, weight=None, bias=None, *, rms: bool 
     return dx, ((dy * xhat).sum(axis=lead) if weight is not None else None), dy.sum(axis=lead)
 
 
+FP8_MAX = {"float8_e4m3fn": 448.0, "float8_e5m2": 57344.0}
+QUANT_GROUP_COLS = 128
+
+
+def quantize_fp8(y, fmt: str, scaling: str, scale=None):
+    """(q, scales, amax) of y as the kernels store an fp8 output: y rounded
+    to float32, multiplied by the float32 reciprocal of its scale (given, or
+    amax(|y|) / the format's largest value per row or per 128 columns, 1
+    where that amax is 0), saturated to the finite range and rounded to
+    nearest even (ml_dtypes). q is a numpy ml_dtypes array (numpy inputs);
+    scales None for "tensor"; amax the largest |y| (NaN ignored, 0 if none).
+    numpy only (the fp8 rounding is ml_dtypes')."""
+    import ml_dtypes
+
+    y32 = np.asarray(y, dtype=np.float64).astype(np.float32)
+    fmax = np.float32(FP8_MAX[fmt])
+    a = np.abs(y32)
+    with np.errstate(all="ignore"):
+        if scaling == "tensor":
+            scales = None
+            inv = np.float32(1) / np.float32(np.asarray(scale, dtype=np.float32).reshape(()))
+        else:
+            groups = a if scaling == "row" else a.reshape(*a.shape[:-1], -1, QUANT_GROUP_COLS)
+            m = np.fmax.reduce(groups, axis=-1, initial=np.float32(0)).astype(np.float32)  # NaN ignored
+            scales = np.where(m > 0, m / fmax, np.float32(1)).astype(np.float32)
+            inv = np.float32(1) / scales
+            inv = inv[..., None] if scaling == "row" else np.repeat(inv, QUANT_GROUP_COLS, axis=-1)
+        q32 = (y32 * inv).astype(np.float32)
+        q = np.clip(q32, -fmax, fmax).astype(getattr(ml_dtypes, fmt))
+        amax = np.float32(np.fmax.reduce(a, axis=None, initial=np.float32(0)))
+    return q, scales, np.asarray(amax, dtype=np.float32)
+
+
 def attention_delta(out, grad_out):
     """D = rowsum(out * grad_out) over the last axis, float64."""
     return (_f64(out) * _f64(grad_out)).sum(axis=-1)

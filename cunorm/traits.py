@@ -34,6 +34,8 @@ KNOB_DEFAULTS = dict(warps_m=1, warps_n=1, ctas_per_row=1, bytes_per_ldg=16, sta
 # The backward's finalize kernel: warps per CTA (each sums a slice of the partial
 # rows) and columns per CTA (32 lanes x 4 neighbours, or 1 when N % 4 != 0).
 FINALIZE_WARPS = 16
+QUANT_MODES = ("none", "tensor", "row", "group")  # fp8 output scalings, as kernels/norm_fwd.cu numbers them
+QUANT_GROUP_COLS = 128
 DTYPE_FIELDS = ("input_dtype", "weight_dtype", "bias_dtype", "output_dtype", "residual_dtype",
                 "residual_out_dtype", "compute_dtype")
 
@@ -78,6 +80,10 @@ class Traits:
     from_output: (backward) the memory-efficient backward: the row input is
       the forward's output y, xhat = (y - bias) / weight (with has_bias, the
       bias is read too); input_dtype is then y's.
+    quant: (forward, fp8 output_dtype) how y is scaled before rounding to fp8:
+      "tensor" (a given scale), "row" or "group" (amax / format max per row or
+      per 128 columns, stored beside y); "none" otherwise.
+    amax: (forward, fp8 output) also store the largest |y| of the call.
     """
 
     hidden_size: int
@@ -109,6 +115,8 @@ class Traits:
     row_axes: int = 1
     per_head: bool = False
     from_output: bool = False
+    quant: str = "none"
+    amax: bool = False
 
     KNOBS = KNOBS  # what `traits=` may force and tuning varies
 
@@ -282,6 +290,14 @@ class Traits:
         rule(not self.per_head or not self.cache_weights, "per-head weights are read per row, not held "
              "(cache_weights must be False)")
         rule(self.backward or not self.from_output, "from_output is a backward flag")
+        fp8 = self.output_dtype in dtypes.FP8_NAMES and not self.backward
+        rule(self.quant in QUANT_MODES, f"QUANT must be one of {', '.join(QUANT_MODES)}")
+        rule(fp8 == (self.quant != "none"), "an fp8 output (forward) needs a scaling (quant), and only it has one")
+        rule(not self.amax or fp8, "amax is kept for fp8 outputs only")
+        rule(not fp8 or self.compute_dtype == "float32", "fp8 outputs are of fp32, fp16 or bf16 x")
+        rule(self.quant != "group" or (self.aligned_rows and self.hidden_size % QUANT_GROUP_COLS == 0
+                                       and 4 <= self.elts_per_ldg and QUANT_GROUP_COLS % self.elts_per_ldg == 0),
+             "128-column scaling needs aligned rows, N a multiple of 128 and loads of >= 4 elements")
         rule(not self.zero_centered or self.has_weight, "a zero-centered weight needs a weight")
         rule(1 <= self.min_ctas_per_sm and self.min_ctas_per_sm * self.threads_per_cta <= 2048,
              "MIN_CTAS_PER_SM must be >= 1 and fit 2048 threads per SM")
@@ -313,7 +329,9 @@ class Traits:
                                                      ("general", not self.aligned_rows),
                                                      ("3-axis-rows", self.row_axes == 3),
                                                      ("per-head-weights", self.per_head),
-                                                     ("from-output", self.from_output)) if on)
+                                                     ("from-output", self.from_output),
+                                                     (f"fp8-scaled-per-{self.quant}", self.quant != "none"),
+                                                     ("amax", self.amax)) if on)
         if self.has_residual:  # the residual read and residual_out written: two tensors, a dtype each
             flags += (f" dresidual={self.residual_dtype}" if self.backward else
                       f" residual={self.residual_dtype}->{self.residual_out_dtype}")
@@ -361,6 +379,8 @@ class Traits:
             "SMEM_ACCUMULATORS": "true" if self.smem_accumulators else "false",
             "RECOMPUTE": "true" if self.recompute else "false",
             "FROM_OUTPUT": int(self.from_output),
+            "QUANT": QUANT_MODES.index(self.quant),
+            "AMAX": int(self.amax),
             "LDGS": self.ldgs,
             "THREADS_PER_CTA": self.threads_per_cta,
             "ELTS_PER_THREAD": self.elts_per_thread,

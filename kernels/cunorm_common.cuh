@@ -10,6 +10,54 @@
 // the kernels' compute_t).
 struct cn_half { unsigned short bits; };
 struct cn_bf16 { unsigned short bits; };
+// 8-bit floats (outputs only): OCP FP8 E4M3 (no inf, max 448) and E5M2 (max 57344).
+struct cn_fp8e4m3 { unsigned char bits; };
+struct cn_fp8e5m2 { unsigned char bits; };
+template <typename T> struct Fp8Format;
+template <> struct Fp8Format<cn_fp8e4m3> {
+  static constexpr int MAN = 3, BIAS = 7;
+  static constexpr float MAX = 448.f, MIN_NORMAL = 0.015625f, SUB_SCALE = 512.f;  // 2^-6, 2^(BIAS-1+MAN)
+};
+template <> struct Fp8Format<cn_fp8e5m2> {
+  static constexpr int MAN = 2, BIAS = 15;
+  static constexpr float MAX = 57344.f, MIN_NORMAL = 6.103515625e-05f, SUB_SCALE = 65536.f;  // 2^-14, 2^16
+};
+
+// f rounded to nearest even in the 8-bit format, saturated to its finite range (NaN stays NaN): what
+// cvt.rn.satfinite does on sm_89+, written out for older GPUs.
+template <typename T>
+__device__ __forceinline__ unsigned fp8_bits_soft(float f) {
+  using F = Fp8Format<T>;
+  const unsigned sign = (__float_as_uint(f) >> 24) & 0x80u;
+  float a = fabsf(f);
+  if (a != a) return sign | 0x7fu;
+  a = fminf(a, F::MAX);
+  if (a < F::MIN_NORMAL) return sign | static_cast<unsigned>(__float2int_rn(a * F::SUB_SCALE));  // subnormal
+  const unsigned b = __float_as_uint(a);
+  constexpr int DROP = 23 - F::MAN;
+  unsigned e = (b >> 23) - 127 + F::BIAS, keep = (b & 0x7fffffu) >> DROP;
+  const unsigned rest = b & ((1u << DROP) - 1), half = 1u << (DROP - 1);
+  keep += rest > half || (rest == half && (keep & 1u));
+  if (keep >> F::MAN) {
+    keep = 0;
+    ++e;
+  }
+  return sign | (e << F::MAN) | keep;
+}
+// Two values at once: lo in the low byte, hi in the high byte.
+template <typename T>
+__device__ __forceinline__ unsigned fp8x2_bits(float lo, float hi) {
+#if __CUDA_ARCH__ >= 890
+  unsigned short r;
+  if constexpr (Fp8Format<T>::MAN == 3)
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
+  else
+    asm("cvt.rn.satfinite.e5m2x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
+  return r;
+#else
+  return fp8_bits_soft<T>(lo) | (fp8_bits_soft<T>(hi) << 8);
+#endif
+}
 
 __device__ __forceinline__ float to_float(float v) { return v; }
 __device__ __forceinline__ float to_float(cn_half v) {
@@ -55,6 +103,7 @@ template <> __device__ __forceinline__ double cn_nan<double>() { return __longlo
 
 // The widest single access a vector of BYTES bytes can be moved with.
 template <int BYTES> struct RawChunk;
+template <> struct RawChunk<1> { using type = unsigned char; };
 template <> struct RawChunk<2> { using type = unsigned short; };
 template <> struct RawChunk<4> { using type = unsigned int; };
 template <> struct RawChunk<8> { using type = uint2; };
@@ -115,6 +164,23 @@ template <> struct Packed<cn_half> {
     asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(w[i / 2]) : "f"(hi), "f"(lo));
   }
 };
+
+// 8-bit floats, four to a word; written only (outputs).
+template <typename T>
+struct PackedFp8 {
+  using value_t = float;
+  static __device__ __forceinline__ void set(unsigned* w, int i, float v) {
+    const int shift = 8 * (i % 4);
+    w[i / 4] = (w[i / 4] & ~(0xffu << shift)) | ((fp8x2_bits<T>(v, 0.f) & 0xffu) << shift);
+  }
+  // Elements i (even) and i + 1 in one instruction (sm_89+).
+  static __device__ __forceinline__ void set2(unsigned* w, int i, float lo, float hi) {
+    const int shift = 8 * (i % 4);
+    w[i / 4] = (w[i / 4] & ~(0xffffu << shift)) | (fp8x2_bits<T>(lo, hi) << shift);
+  }
+};
+template <> struct Packed<cn_fp8e4m3> : PackedFp8<cn_fp8e4m3> {};
+template <> struct Packed<cn_fp8e5m2> : PackedFp8<cn_fp8e5m2> {};
 
 // N consecutive elements moved as 16-byte (or narrower) accesses. A vector
 // wider than 16 bytes (e.g. 8 fp32 weights beside 8 bf16 inputs) becomes
@@ -193,6 +259,12 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 // Waits until at most N of this thread's committed groups are still in flight.
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
+
+__device__ __forceinline__ float warp_max(float v) {  // every lane gets the same bits (max is exact)
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, offset));
+  return v;
+}
 
 template <typename F>
 __device__ __forceinline__ F warp_sum(F v) {

@@ -11,6 +11,25 @@
 #include "cunorm_common.cuh"
 #include "norm_traits.cuh"
 
+// fp8 outputs: y is stored as y / scale, rounded to nearest even and saturated, with the scale given for the
+// tensor (QUANT_TENSOR), or the amax of |y| over the row (QUANT_ROW) or over each 128 columns (QUANT_GROUP)
+// divided by the format's largest value, those scales stored beside y. AMAX: the largest |y| of the whole
+// call is also stored (for delayed scaling; NaN is ignored, as fmaxf does).
+#define CN_QUANT ${QUANT}
+#define CN_AMAX ${AMAX}
+constexpr int QUANT_NONE = 0, QUANT_TENSOR = 1, QUANT_ROW = 2, QUANT_GROUP = 3;
+constexpr int QUANT = CN_QUANT;
+constexpr bool AMAX = CN_AMAX;
+constexpr int QUANT_GROUP_COLS = 128;
+template <typename T> struct FormatMax { static constexpr float value = 1.f; };
+template <> struct FormatMax<cn_fp8e4m3> { static constexpr float value = Fp8Format<cn_fp8e4m3>::MAX; };
+template <> struct FormatMax<cn_fp8e5m2> { static constexpr float value = Fp8Format<cn_fp8e5m2>::MAX; };
+constexpr int GROUP_LANES = QUANT_GROUP_COLS / ELTS_PER_LDG;  // the lanes holding one group (QUANT_GROUP)
+static_assert(QUANT != QUANT_GROUP || (ALIGNED_ROWS && COLS % QUANT_GROUP_COLS == 0 && GROUP_LANES <= 32 &&
+                                       GROUP_LANES * ELTS_PER_LDG == QUANT_GROUP_COLS),
+              "128-column scaling needs aligned rows, N a multiple of 128 and loads of >= 4 elements");
+static_assert(QUANT == QUANT_NONE || FormatMax<output_t>::value > 1.f, "scaled outputs are fp8");
+
 // Dynamic shared memory: [staged x][staged residual][gamma slots][beta slots].
 constexpr int SMEM_BYTES = RowPipe<input_t>::BYTES + RowPipe<residual_t, HAS_RESIDUAL>::BYTES +
                            RowWeights<weight_t, HAS_WEIGHT>::BYTES + RowWeights<bias_t, HAS_BIAS>::BYTES;
@@ -27,9 +46,16 @@ norm_fwd(const input_t* x, const residual_t* residual, const weight_t* __restric
 #if CN_PER_HEAD
          , long long heads, long long gamma_head_stride, long long beta_head_stride
 #endif
+#if CN_QUANT || CN_AMAX
+         , const float* __restrict__ qscale, float* __restrict__ qscales, float* __restrict__ amax
+#endif
 ) {
 #if !CN_PER_HEAD
   constexpr long long heads = 1, gamma_head_stride = 0, beta_head_stride = 0;
+#endif
+#if !(CN_QUANT || CN_AMAX)
+  const float* const qscale = nullptr;
+  float* const qscales = nullptr;
 #endif
   using InVec = Vec<input_t, ELTS_PER_LDG>;
   using ResVec = Vec<residual_t, ELTS_PER_LDG>;
@@ -48,6 +74,10 @@ norm_fwd(const input_t* x, const residual_t* residual, const weight_t* __restric
   const RowWeights<bias_t, HAS_BIAS> b(beta, beta_stride, next, at, heads, beta_head_stride);
 
   constexpr compute_t inv_cols = compute_t(1) / compute_t(COLS);
+#if CN_QUANT == 2
+  CN_ROW_MAX_REDUCER(row_max);
+#endif
+  float thread_amax = 0.f;  // AMAX
   for_each_row(rows, at, [&](long long row, bool row_ok, int stage) {
     InVec v[LDGS];
     ResVec r[LDGS];  // unused (and optimized away) without a residual
@@ -105,8 +135,19 @@ norm_fwd(const input_t* x, const residual_t* residual, const weight_t* __restric
     const bool finite = cn_isfinite(sq[0]);
     const compute_t rstd = finite ? cn_rsqrt(sq[0] * inv_cols + eps) : cn_nan<compute_t>();
     if (!finite) mean = rstd;
-
-    if (row_ok) {
+    // Element e of LDG step `it` of y (wv, bv: gamma's and beta's vectors there).
+    auto y_at = [&](int it, int e, const auto& wv, const auto& bv) -> compute_t {
+      // (h - mean) * rstd, not h * rstd - mean * rstd: exact even when |mean| >> std.
+      // A row of one element normalizes to 0 (y = beta), whatever eps.
+      const compute_t xhat = (!RMS && COLS == 1) ? 0 * rstd : (value(it, e) - mean) * rstd;  // NaN rows stay NaN
+      const compute_t scaled = HAS_WEIGHT ? xhat * scale_of(wv.get(e)) : xhat;
+      return HAS_BIAS ? scaled + bv.get(e) : scaled;
+    };
+    float inv_scale = 1.f;  // QUANT: what y is multiplied by before rounding to fp8
+    if constexpr (QUANT == QUANT_TENSOR) inv_scale = 1.f / *qscale;
+#if CN_QUANT == 2
+    {  // the row's amax, then its scale: every thread takes part (the reduction holds barriers)
+      compute_t m[1] = {0};
       with_edges(at, [&](auto edges) {
         constexpr bool EDGES = decltype(edges)::value;
 #pragma unroll
@@ -114,14 +155,53 @@ norm_fwd(const input_t* x, const residual_t* residual, const weight_t* __restric
           if (!at.in_row(it)) continue;
           const auto wv = w(it, at, row);
           const auto bv = b(it, at, row);
+#pragma unroll
+          for (int e = 0; e < ELTS_PER_LDG; ++e)
+            if (whole<EDGES>(it, at) || at.valid(it, e)) m[0] = fmaxf(m[0], fabsf(y_at(it, e, wv, bv)));
+        }
+      });
+      row_max.allreduce(m, at);
+      const float scale = m[0] > 0.f ? m[0] / FormatMax<output_t>::value : 1.f;
+      inv_scale = 1.f / scale;
+      if (row_ok && at.row_leader()) qscales[row] = scale;
+    }
+#endif
+
+    if (row_ok) {
+      with_edges(at, [&](auto edges) {
+        constexpr bool EDGES = decltype(edges)::value;
+#pragma unroll
+        for (int it = 0; it < LDGS; ++it) {
+          const bool here = at.in_row(it);
+          if constexpr (QUANT != QUANT_GROUP) {
+            if (!here) continue;
+          }
+          const auto wv = w(it, at, row);
+          const auto bv = b(it, at, row);
           compute_t out[ELTS_PER_LDG];
 #pragma unroll
-          for (int e = 0; e < ELTS_PER_LDG; ++e) {
-            // (h - mean) * rstd, not h * rstd - mean * rstd: exact even when |mean| >> std.
-            // A row of one element normalizes to 0 (y = beta), whatever eps.
-            const compute_t xhat = (!RMS && COLS == 1) ? 0 * rstd : (value(it, e) - mean) * rstd;  // NaN rows stay NaN
-            const compute_t scaled = HAS_WEIGHT ? xhat * scale_of(wv.get(e)) : xhat;
-            out[e] = HAS_BIAS ? scaled + bv.get(e) : scaled;
+          for (int e = 0; e < ELTS_PER_LDG; ++e) out[e] = y_at(it, e, wv, bv);
+          if constexpr (AMAX) {
+#pragma unroll
+            for (int e = 0; e < ELTS_PER_LDG; ++e)
+              if (here && (whole<EDGES>(it, at) || at.valid(it, e))) thread_amax = fmaxf(thread_amax, fabsf(out[e]));
+          }
+          if constexpr (QUANT == QUANT_GROUP) {  // the group's lanes hold its 128 columns: a butterfly over them
+            float m = 0.f;
+#pragma unroll
+            for (int e = 0; e < ELTS_PER_LDG; ++e) m = here ? fmaxf(m, fabsf(out[e])) : m;
+#pragma unroll
+            for (int offset = GROUP_LANES / 2; offset > 0; offset >>= 1)
+              m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, offset));
+            if (!here) continue;
+            const float scale = m > 0.f ? m / FormatMax<output_t>::value : 1.f;
+            if (at.lane % GROUP_LANES == 0)
+              qscales[row * (COLS / QUANT_GROUP_COLS) + at.vec(it) / GROUP_LANES] = scale;
+            inv_scale = 1.f / scale;
+          }
+          if constexpr (QUANT != QUANT_NONE) {
+#pragma unroll
+            for (int e = 0; e < ELTS_PER_LDG; ++e) out[e] *= inv_scale;
           }
           Vec<output_t, ELTS_PER_LDG> o;
           o.set_all(out);
@@ -142,5 +222,11 @@ norm_fwd(const input_t* x, const residual_t* residual, const weight_t* __restric
       }
     }
   }, xs, rs);
+  if constexpr (AMAX) {  // max of non-negative floats: their bits order as unsigned integers
+    const float m = warp_max(thread_amax);
+#if CN_QUANT || CN_AMAX
+    if (at.lane == 0) atomicMax(reinterpret_cast<unsigned*>(amax), __float_as_uint(m));
+#endif
+  }
   finish_cluster();
 }

@@ -460,7 +460,7 @@ struct RowWeights {
 // Partials are added in a fixed order, so results are reproducible run to run.
 // Two scratch buffers alternate: a buffer is rewritten only after a later
 // barrier that every reader of its previous contents has passed.
-template <int K>
+template <int K, bool MAX = false>  // MAX: the maximum of non-negative values (fp8 scaling) instead of the sum
 struct RowReducer {
   compute_t (*warp_partials)[WARPS_M][WARPS_N][K];
   compute_t (*cta_partials)[K];
@@ -469,9 +469,18 @@ struct RowReducer {
   __device__ __forceinline__ RowReducer(compute_t (*warps)[WARPS_M][WARPS_N][K], compute_t (*ctas)[K])
       : warp_partials(warps), cta_partials(ctas) {}
 
+  static __device__ __forceinline__ compute_t combine(compute_t a, compute_t b) {
+    if constexpr (MAX) return a > b ? a : b;
+    else return a + b;
+  }
+  static __device__ __forceinline__ compute_t combine_warp(compute_t v) {
+    if constexpr (MAX) return warp_max(v);
+    else return warp_sum(v);
+  }
+
   __device__ __forceinline__ void allreduce(compute_t (&v)[K], const Coords& at) {
 #pragma unroll
-    for (int k = 0; k < K; ++k) v[k] = warp_sum(v[k]);
+    for (int k = 0; k < K; ++k) v[k] = combine_warp(v[k]);
     if constexpr (WARPS_N > 1) {
       if (at.lane == 0) {
 #pragma unroll
@@ -482,7 +491,7 @@ struct RowReducer {
       for (int k = 0; k < K; ++k) {
         compute_t s = 0;
 #pragma unroll
-        for (int w = 0; w < WARPS_N; ++w) s += warp_partials[parity][at.warp_m][w][k];
+        for (int w = 0; w < WARPS_N; ++w) s = combine(s, warp_partials[parity][at.warp_m][w][k]);
         v[k] = s;
       }
     }
@@ -496,7 +505,7 @@ struct RowReducer {
       for (int k = 0; k < K; ++k) {
         compute_t s = 0;
 #pragma unroll
-        for (int r = 0; r < CTAS_PER_ROW; ++r) s += load_cluster_shared(&cta_partials[parity][k], r);
+        for (int r = 0; r < CTAS_PER_ROW; ++r) s = combine(s, load_cluster_shared(&cta_partials[parity][k], r));
         v[k] = s;
       }
     }
@@ -504,7 +513,13 @@ struct RowReducer {
   }
 };
 
-// Declares the scratch a RowReducer<K> needs and constructs it as `name`.
+// Declares the scratch a RowReducer<K> needs and constructs it as `name`; CN_ROW_MAX_REDUCER one that
+// takes maxima.
+#define CN_ROW_MAX_REDUCER(name)                                  \
+  __shared__ compute_t name##_warps[2][WARPS_M][WARPS_N][1];      \
+  __shared__ compute_t name##_ctas[2][1];                         \
+  RowReducer<1, true> name(name##_warps, name##_ctas)
+
 #define CN_ROW_REDUCER(K, name)                                   \
   __shared__ compute_t name##_warps[2][WARPS_M][WARPS_N][K];      \
   __shared__ compute_t name##_ctas[2][K];                         \

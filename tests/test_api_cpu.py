@@ -351,3 +351,42 @@ def test_memory_efficient_backward_from_the_output_on_the_numpy_path(rng):
         cunorm.layer_norm_backward(dy, x, mean, rstd, w, bias=b)
     with pytest.raises(ValueError, match=r"rstd: shape \(5,\) does not match y.shape\[:-1\]"):
         cunorm.rms_norm_backward(dy, rstd=rstd[:5], weight=w, y=y)
+
+
+def test_fp8_outputs_on_the_numpy_path(rng):
+    """fp8 y, rounded as the kernels round it: y / scale in float32, saturated to the format's finite range,
+    nearest even (checked here against an independent rounding of a few values); the per-row and per-group
+    scales are amax / format max; amax is the largest |y|; bad combinations name their argument."""
+    import ml_dtypes
+
+    x = rng.standard_normal((6, 256)).astype(np.float32) * 3
+    w = rng.standard_normal(256).astype(np.float32)
+    y = cunorm.rms_norm(x, w)
+    q, scales, amax = cunorm.rms_norm(x, w, out_dtype="float8_e4m3fn", scaling="row", return_amax=True)
+    assert q.dtype == np.dtype(ml_dtypes.float8_e4m3fn) and scales.shape == (6,) and amax.shape == ()
+    np.testing.assert_allclose(scales, np.abs(y).max(-1) / 448, rtol=1e-6)
+    assert float(amax) == np.abs(y).max() and np.abs(q.astype(np.float32)).max() == 448
+    deq = q.astype(np.float64) * scales[:, None]
+    assert np.abs(deq - y).max() <= np.abs(y).max() * 2.0 ** -4  # e4m3: 3 mantissa bits
+    q, g = cunorm.layer_norm(x, w, out_dtype="e5m2", scaling="group")
+    assert g.shape == (6, 2) and q.dtype == np.dtype(ml_dtypes.float8_e5m2)
+    # A per-tensor scale that saturates: values past 448 * scale store 448, never NaN or inf.
+    scale = np.array([float(np.abs(y).max()) / 448 / 2], np.float32)
+    q = cunorm.rms_norm(x, w, out_dtype="float8_e4m3fn", scale=scale).astype(np.float32)
+    assert np.isfinite(q).all() and np.abs(q).max() == 448
+    exact = (y / scale[0]).astype(np.float32)
+    small = np.abs(exact) < 448
+    assert np.array_equal(q[small], np.clip(exact, -448, 448).astype(ml_dtypes.float8_e4m3fn)
+                          .astype(np.float32)[small])
+    with pytest.raises(ValueError, match="scaling: float8_e4m3fn output needs scaling="):
+        cunorm.rms_norm(x, w, out_dtype="float8_e4m3fn")
+    with pytest.raises(ValueError, match="scaling: only for an fp8 out_dtype"):
+        cunorm.rms_norm(x, w, scaling="row")
+    with pytest.raises(ValueError, match="scaling: 'group' scales 128 columns"):
+        cunorm.rms_norm(x[:, :200], w[:200], out_dtype="float8_e4m3fn", scaling="group")
+    with pytest.raises(TypeError, match="residual_dtype: float8_e4m3fn is only an output"):
+        cunorm.rms_norm(x, w, residual=x, residual_dtype="float8_e4m3fn")
+    with pytest.raises(TypeError, match="x: dtype float8_e4m3fn is not supported"):
+        cunorm.rms_norm(q.astype(ml_dtypes.float8_e4m3fn))
+    with pytest.raises(TypeError, match="out_dtype: float8_e4m3fn needs x of float32"):
+        cunorm.rms_norm(x.astype(np.float64), out_dtype="float8_e4m3fn", scaling="row")

@@ -162,3 +162,18 @@ def test_bad_torch_input_names_the_argument():
         cunorm.layer_norm(x.int())
     with pytest.raises(TypeError, match="weight: a torch tensor on cpu"):
         cunorm.layer_norm(x.float(), torch.ones(64))
+
+
+def test_fp8_outputs_are_torch_float8_tensors(rng):
+    """torch tensors in, torch float8 tensors out (CuPy callers get uint8 bits), with the row scales."""
+    x = _tensor((64, 1024), torch.bfloat16, rng)
+    w = _tensor(1024, torch.bfloat16, rng)
+    q, scales, amax = cunorm.rms_norm(x, w, out_dtype=torch.float8_e4m3fn, scaling="row", return_amax=True)
+    assert q.dtype == torch.float8_e4m3fn and q.shape == x.shape and scales.shape == (64,) and amax.shape == ()
+    y = torch.nn.functional.rms_norm(x.double(), (1024,), w.double())
+    assert float(((q.double() * scales.double()[:, None]) - y).norm() / y.norm()) < 2 ** -4
+    assert abs(float(amax) / float(y.abs().max()) - 1) < 1e-2
+    import cupy
+
+    bits = cunorm.rms_norm(cupy.from_dlpack(x), cupy.from_dlpack(w), out_dtype="float8_e4m3fn", scaling="row")[0]
+    assert bits.dtype == cupy.uint8 and bool((bits == cupy.from_dlpack(q.view(torch.uint8))).all())

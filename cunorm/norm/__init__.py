@@ -56,11 +56,11 @@ def _check_as_on_gpu(prepare, args: dict, base: dict, traits, source=None):
 
 
 def _forward_call(rms, x, weight, bias, eps, residual, residual_dtype, zero_centered_weight, return_stats,
-                  out_dtype, out, traits, source):
+                  out_dtype, out, traits, source, scale=None, scaling=None, return_amax=False):
     """A forward call: its cached plan, or `_forward`. (Positional arguments: the hit path is counted in µs.)"""
-    values = (x, weight, bias, residual, out)
-    key, ptrs = _call_key(values, (rms, residual_dtype, zero_centered_weight, return_stats, out_dtype, source,
-                                   traits))
+    values = (x, weight, bias, residual, out, scale)
+    key, ptrs = _call_key(values, (rms, residual_dtype, zero_centered_weight, return_stats, out_dtype, scaling,
+                                   return_amax, source, traits))
     hit = _CALLS.get(key)
     if hit is not None:
         try:
@@ -69,13 +69,13 @@ def _forward_call(rms, x, weight, bias, eps, residual, residual_dtype, zero_cent
             bits = _eps_bits(eps)
         return hit.run(values, ptrs, bits)
     return _forward(rms, key, ptrs, x, weight, bias, eps, residual, residual_dtype, zero_centered_weight,
-                    return_stats, out_dtype, out, traits, source)
+                    return_stats, out_dtype, out, traits, source, scale, scaling, return_amax)
 
 
 def _forward(rms, key, ptrs, x, weight, bias, eps, residual, residual_dtype, zero_centered_weight, return_stats,
-             out_dtype, out, traits, source):
+             out_dtype, out, traits, source, scale=None, scaling=None, return_amax=False):
     args, on_gpu, base, eps = calls.forward_args(rms, x, weight, bias, eps, residual, residual_dtype,
-                                                 zero_centered_weight, out_dtype, out)
+                                                 zero_centered_weight, out_dtype, out, scale, scaling, return_amax)
     if not on_gpu:
         _check_as_on_gpu(plans.forward_prepare, args, base, traits, source)
         return cpu.forward(args, base, eps, rms, return_stats)
@@ -99,7 +99,8 @@ def _backward(rms, key, dy, x, mean, rstd, weight, has_bias, bias_dtype, dresidu
 
 
 def layer_norm(x, weight=None, bias=None, eps=1e-5, *, residual=None, residual_dtype=None,
-               zero_centered_weight=False, return_stats=False, out_dtype=None, out=None, traits=None, source=None):
+               zero_centered_weight=False, return_stats=False, out_dtype=None, out=None, scale=None, scaling=None,
+               return_amax=False, traits=None, source=None):
     """LayerNorm over the last axis: y = (h - mean) / sqrt(var + eps) * w + bias,
     where h = x, or h = x + residual (summed in fp32) when a residual is given,
     and w = weight, or 1 + weight with `zero_centered_weight=True` (in fp32).
@@ -121,22 +122,35 @@ def layer_norm(x, weight=None, bias=None, eps=1e-5, *, residual=None, residual_d
     `source`: the text of an edited copy of kernels/norm_fwd.cu (norm_bwd.cu
     for the backwards), compiled and run in place of the shipped file, with
     every check of the shipped path (see README, "Your own kernel").
+
+    fp8 output: `out_dtype` float8_e4m3fn or float8_e5m2 stores q = y / scale
+    rounded to nearest even and saturated to the format's finite range, with
+    `scaling` "tensor" (the float32 one-element array `scale=`, on x's
+    device), "row" or "group" (scale = amax(|y|) / the format's largest value
+    per row, or per 128 columns of a row; these scales, float32 of shape
+    x.shape[:-1] or x.shape[:-1] + (N // 128,), follow y and residual_out in
+    the result). `return_amax=True` appends the call's largest |y| (float32,
+    0-d) for delayed scaling. torch tensors give torch float8 tensors, CuPy
+    arrays uint8 arrays holding the fp8 bits (CuPy has no fp8 dtype), numpy
+    arrays ml_dtypes float8 arrays.
     """
     return _forward_call(False, x, weight, bias, eps, residual, residual_dtype, zero_centered_weight, return_stats,
-                         out_dtype, out, traits, source)
+                         out_dtype, out, traits, source, scale, scaling, return_amax)
 
 
 def rms_norm(x, weight=None, eps=1e-6, *, bias=None, residual=None, residual_dtype=None, zero_centered_weight=False,
-             return_stats=False, out_dtype=None, out=None, traits=None, source=None):
+             return_stats=False, out_dtype=None, out=None, scale=None, scaling=None, return_amax=False, traits=None,
+             source=None):
     """RMSNorm over the last axis: y = h * rstd * w (+ bias) with rstd = 1 / sqrt(mean(h^2) + eps),
     h = x or x + residual (fp32), w = weight or 1 + weight (`zero_centered_weight`).
 
     Returns y; with a residual (y, residual_out); with `return_stats=True` the
     float32 rstd is appended. Layouts, dtypes, `out=`, `traits=` and
-    `source=` as in `layer_norm`.
+    `source=` as in `layer_norm`, and fp8 outputs (`scale=`, `scaling=`,
+    `return_amax=`) too.
     """
     return _forward_call(True, x, weight, bias, eps, residual, residual_dtype, zero_centered_weight, return_stats,
-                         out_dtype, out, traits, source)
+                         out_dtype, out, traits, source, scale, scaling, return_amax)
 
 
 def layer_norm_backward(dy, x=None, mean=None, rstd=None, weight=None, *, y=None, bias=None, has_bias=True,

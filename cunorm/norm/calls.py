@@ -22,8 +22,9 @@ class Direction:
     in_place: dict  # {output name: the inputs it may be exactly}
 
 
-FORWARD = Direction(("x", "weight", "bias", "residual", "out"), ("x", "residual"), ("weight", "bias"),
+FORWARD = Direction(("x", "weight", "bias", "residual", "out", "scale"), ("x", "residual"), ("weight", "bias", "scale"),
                     {"out": ("x",)})
+SCALINGS = ("tensor", "row", "group")  # fp8 output scalings (traits.QUANT_MODES less "none")
 # The backward's "x" is y, the forward's output, in the memory-efficient form (`from_output`), which also
 # reads the forward's bias.
 BACKWARD = Direction(("dy", "x", "mean", "rstd", "weight", "dresidual", "out", "bias"), ("x", "dy", "dresidual"),
@@ -69,13 +70,17 @@ def per_head(*weights) -> bool:
     return any(w is not None and w.array.ndim == 2 for w in weights)
 
 
-def _dtype_arg(name: str, value, default: str) -> str:
+def _dtype_arg(name: str, value, default: str, fp8: bool = False) -> str:
+    """A dtype argument's name; fp8 formats only where `fp8` (a forward's out_dtype)."""
     if value is None:
         return default
     try:
-        return dtypes.name_of(value)
+        got = dtypes.name_of(value)
     except ValueError as e:
         raise TypeError(f"{name}: {e}") from None
+    if got in dtypes.FP8_NAMES and not fp8:
+        raise TypeError(f"{name}: {got} is only an output of the forward (out_dtype=, with a scaling)")
+    return got
 
 
 def _zero_centered(flag, weight):
@@ -86,9 +91,11 @@ def _zero_centered(flag, weight):
 
 def _out_dtype(out, out_dtype, default: str, what: str) -> str:
     """The dtype of an output that may be given (`out=`) or asked for (`out_dtype=`)."""
-    want = _dtype_arg("out_dtype", out_dtype, None) if out_dtype is not None else None
+    want = _dtype_arg("out_dtype", out_dtype, None, fp8=not what) if out_dtype is not None else None
     if out is None:
         return want or default
+    if want in dtypes.FP8_NAMES:
+        raise ValueError(f"out: not taken with an fp8 out_dtype ({want}); the fp8 y is returned")
     have = arrays.check_dtype(out)
     if want is not None and want != have:
         raise TypeError(f"out: dtype {have} differs from out_dtype {want}")
@@ -100,7 +107,7 @@ def _out_dtype(out, out_dtype, default: str, what: str) -> str:
 def call_base(*, rms: bool, backward: bool, hidden_size: int, input_dtype: str, output_dtype: str,
               weight_dtype: str | None, bias_dtype: str | None, residual_dtype: str | None,
               zero_centered: bool, residual_out_dtype: str | None = None, per_head: bool = False,
-              from_output: bool = False) -> dict:
+              from_output: bool = False, quant: str = "none", amax: bool = False) -> dict:
     """The dispatch fields of a call (absent arguments: None dtypes). The
     residual read (forward) or dresidual (backward) and the residual_out
     written (forward only) are two tensors with a dtype each: residual_out
@@ -114,13 +121,44 @@ def call_base(*, rms: bool, backward: bool, hidden_size: int, input_dtype: str, 
                                                                   or ABSENT_DTYPE),
                 has_weight=weight_dtype is not None, has_bias=bias_dtype is not None, rms=rms,
                 has_residual=residual_dtype is not None, zero_centered=zero_centered, backward=backward,
-                per_head=per_head, **({"from_output": True} if from_output else {}))
+                per_head=per_head, **({"from_output": True} if from_output else {}),
+                **({"quant": quant, "amax": amax} if quant != "none" else {}))
 
 
-def forward_args(rms, x, weight, bias, eps, residual, residual_dtype, zero_centered_weight, out_dtype, out):
+def _scaling(y_dtype: str, x_dtype: str, n: int, O, S, scaling, return_amax) -> tuple:
+    """(quant, amax) of a forward call: how an fp8 y is scaled, and whether its amax is kept."""
+    fp8 = y_dtype in dtypes.FP8_NAMES
+    if scaling is None and S is not None:
+        scaling = "tensor"
+    if not fp8:
+        for name, given in (("scaling", scaling), ("return_amax", return_amax or None)):
+            if given is not None:
+                raise ValueError(f"{name}: only for an fp8 out_dtype ({' or '.join(dtypes.FP8_NAMES)})")
+        return "none", False
+    if O is not None:
+        raise ValueError(f"out: not taken with an fp8 out_dtype ({y_dtype}); the fp8 y is returned")
+    if x_dtype == "float64":
+        raise TypeError(f"out_dtype: {y_dtype} needs x of float32, float16 or bfloat16, not float64")
+    if scaling not in SCALINGS:
+        raise ValueError(f"scaling: {y_dtype} output needs scaling= one of {', '.join(SCALINGS)} (or scale= for "
+                         f"'tensor'), got {scaling!r}")
+    if (scaling == "tensor") != (S is not None):
+        raise ValueError("scale: give a float32 one-element array exactly with scaling='tensor'")
+    if S is not None:
+        arrays.check_dtype(S, ("float32",))
+        if S.array.size != 1:
+            raise ValueError(f"scale: one element (the per-tensor scale), got shape {tuple(S.array.shape)}")
+    if scaling == "group" and n % 128:
+        raise ValueError(f"scaling: 'group' scales 128 columns at a time; the hidden size {n} is not a multiple")
+    return scaling, bool(return_amax)
+
+
+def forward_args(rms, x, weight, bias, eps, residual, residual_dtype, zero_centered_weight, out_dtype, out,
+                 scale=None, scaling=None, return_amax=False):
     """Validates a forward call. Returns (args, on_gpu, base, eps)."""
-    args, on_gpu = arrays.take_all({"x": x}, {"weight": weight, "bias": bias, "residual": residual, "out": out})
-    X, W, B, R, O = (args[k] for k in FORWARD.arrays)
+    args, on_gpu = arrays.take_all({"x": x}, {"weight": weight, "bias": bias, "residual": residual, "out": out,
+                                              "scale": scale})
+    X, W, B, R, O = (args[k] for k in FORWARD.arrays[:5])
     x_dtype = arrays.check_dtype(X)
     n = hidden_size(X)
     w_dtype, b_dtype = _vector_arg(W, n, X.array.shape), _vector_arg(B, n, X.array.shape)
@@ -134,10 +172,12 @@ def forward_args(rms, x, weight, bias, eps, residual, residual_dtype, zero_cente
     if O is not None:
         arrays.check_shape(O, X.array.shape, "x's shape")
     y_dtype = _out_dtype(O, out_dtype, x_dtype, "")
+    quant, amax = _scaling(y_dtype, x_dtype, n, O, args["scale"], scaling, return_amax)
     base = call_base(rms=rms, backward=False, hidden_size=n, input_dtype=x_dtype, output_dtype=y_dtype,
                      weight_dtype=w_dtype if W is not None else None, bias_dtype=b_dtype if B is not None else None,
                      residual_dtype=res_dtype, residual_out_dtype=res_out_dtype,
-                     zero_centered=_zero_centered(zero_centered_weight, W), per_head=per_head(W, B))
+                     zero_centered=_zero_centered(zero_centered_weight, W), per_head=per_head(W, B), quant=quant,
+                     amax=amax)
     return args, on_gpu, base, check_eps(eps)
 
 

@@ -19,13 +19,21 @@ def forward(args: dict, base: dict, eps: float, rms: bool, return_stats: bool):
     else:
         y, mean, rstd = reference.layer_norm(h, _arr(W), _arr(B), eps, zero_centered_weight=zc)
         stats = [mean, rstd]
-    y = y.astype(dtypes.numpy_dtype(base["output_dtype"]))
+    quant = base.get("quant", "none")
+    extras = []
+    if quant != "none":  # fp8 y, its scales and amax, rounded as the kernels round them
+        S = args.get("scale")
+        y, scales, amax = reference.quantize_fp8(y, base["output_dtype"], quant, None if S is None else S.array)
+        extras = ([scales] if scales is not None else []) + ([amax] if base.get("amax") else [])
+    else:
+        y = y.astype(dtypes.numpy_dtype(base["output_dtype"]))
     if O is not None:
         O.array[...] = y
         y = O.array
     values = [y]
     if R is not None:
         values.append(h.astype(dtypes.numpy_dtype(base["residual_out_dtype"])))
+    values += extras
     if return_stats:
         values += [s.astype(dtypes.compute_dtype(base["input_dtype"])) for s in stats]
     return values[0] if len(values) == 1 else tuple(values)

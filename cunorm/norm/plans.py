@@ -11,7 +11,7 @@ import numpy as np
 
 from .. import dispatch, dtypes, layout, plan
 from ..launch import CallPlan, Launch, Output, span
-from ..traits import Traits
+from ..traits import QUANT_GROUP_COLS, Traits
 from .calls import BACKWARD, FORWARD, Direction
 
 class Family:
@@ -75,6 +75,9 @@ EPS_SCALARS = ("eps", "eps64")
 
 def eps_slot(t: Traits) -> tuple:
     return ("f64", "eps64") if t.compute_dtype == "float64" else ("f32", "eps")
+
+
+F32 = np.dtype(np.float32)
 
 
 def check_outputs(d: Direction, outputs: list, rows: dict, args: dict, n: int):
@@ -193,7 +196,7 @@ def _picker(picks: list):
 
 def forward_plan(args: dict, base: dict, traits, rms: bool, return_stats: bool, source: str | None = None) -> tuple:
     """(CallPlan, Prepared) of a validated forward call on the GPU."""
-    X, W, B, R, O = (args[k] for k in FORWARD.arrays)
+    X, W, B, R, O = (args[k] for k in FORWARD.arrays[:5])
     x = X.array
     device = x.device_id
     p = forward_prepare(args, base)
@@ -213,6 +216,14 @@ def forward_plan(args: dict, base: dict, traits, rms: bool, return_stats: bool, 
         picks.append(("made", len(outputs)))
         outputs.append(Output("residual_out", shape, dtypes.numpy_dtype(base["residual_out_dtype"]),
                               p.rows["residual_out"].offset))
+    zeros = []
+    if t.quant in ("row", "group"):  # fp8 y's scales
+        picks.append(("made", len(outputs)))
+        outputs.append(Output("scales", lead if t.quant == "row" else lead + (p.n // QUANT_GROUP_COLS,), F32))
+    if t.amax:  # the call's largest |y|: atomically raised from 0
+        picks.append(("made", len(outputs)))
+        outputs.append(Output("amax", (), F32))
+        zeros.append("amax")
     if return_stats:
         stats_dtype = np.dtype(t.compute_dtype)
         for name in ("rstd",) if rms else ("mean", "rstd"):
@@ -229,8 +240,9 @@ def forward_plan(args: dict, base: dict, traits, rms: bool, return_stats: bool, 
             ("ptr", "residual_out"), ("ptr", "mean"), ("ptr", "rstd"), ("i64", p.row_count), _ld(p.rows["x"], t),
             _ld(p.rows["residual"], t), _ld(y_row, t), _ld(p.rows.get("residual_out"), t), ("i64", w_stride),
             ("i64", b_stride), eps_slot(t)] + ([("i64", p.heads), ("i64", w_heads), ("i64", b_heads)]
-                                               if t.per_head else [])))
-    return CallPlan(x.kind, device, FORWARD.arrays, tuple(launches), outputs=outputs, copies=copies,
+                                               if t.per_head else [])
+            + ([("ptr", "scale"), ("ptr", "scales"), ("ptr", "amax")] if t.quant != "none" else [])))
+    return CallPlan(x.kind, device, FORWARD.arrays, tuple(launches), outputs=outputs, copies=copies, zeros=zeros,
                     given_out=None if O is None else ("out", "y"), spans=_spans(FORWARD, args),
                     full_overlap_check=_overlap_check(FORWARD, p.n), scalars=EPS_SCALARS, result=_picker(picks)), p
 

@@ -364,6 +364,12 @@ def qkv_cases(op: str) -> list:
                            (100, "float32", "contiguous", "contiguous"), (99, "bfloat16", "contiguous", "strided")):
         cases.append(Case(op, n, m, dt, dt, has_bias=True, heads=heads, layout=lay, weight_layout=wl, per_head=True,
                           zero_centered=rms))
+    # Many more rows than the persistent grid holds, with head counts that divide neither the rows per CTA nor
+    # the grid: each warp row must still keep one head (the grid's row stride a multiple of the heads), on
+    # several CTAs a row too.
+    for n, rows, h, dt in ((128, 72000, 3, "bfloat16"), (99, 12000, 3, "float32"), (8192, 400, 5, "bfloat16"),
+                           (32768, 360, 6, "bfloat16")):
+        cases.append(Case(op, n, rows, dt, dt, has_bias=True, heads=h, per_head=True))
     return cases
 
 
@@ -755,6 +761,7 @@ def _run_forward(case: Case, rng, source=None) -> list:
     results = [Result(case, "y", rel_l2(y, y_ref), tolerance(case.out_dtype or case.dtype, case.dtype))]
     if case.in_place and y is not x:
         results.append(Result(case, "y is x", float("inf"), 0.0))
+    results += _untouched_outside(case, kwargs["out"])
     if kwargs["out"] is not None and y is not kwargs["out"]:
         results.append(Result(case, "y is out", float("inf"), 0.0))
     if r is not None:
@@ -769,6 +776,18 @@ def _run_forward(case: Case, rng, source=None) -> list:
         if dtypes.name_of(value.dtype) != stats_dtype:
             results.append(Result(case, f"{name} dtype {value.dtype}", float("inf"), 0.0))
     return results
+
+
+def _untouched_outside(case: Case, out) -> list:
+    """For a given out= in the qkv layout (a slot of a NaN-filled fused buffer): a failing Result where the op
+    wrote anything outside the view."""
+    import cupy
+
+    if out is None or case.in_place or case.out_layout != "qkv":
+        return []
+    probe = out.base.copy()
+    probe[:, :out.shape[1], 1] = cupy.nan
+    return [] if bool(cupy.isnan(probe).all()) else [Result(case, "writes outside out's view", float("inf"), 0.0)]
 
 
 def cupy_array(values, dtype: str):
@@ -879,6 +898,7 @@ def _run_backward(case: Case, rng, source=None) -> list:
         results.append(Result(case, name, rel_l2(value, ref, dx_scale if name == "dx" else 0.0), tol[name]))
     if case.in_place and got[0] is not dy:
         results.append(Result(case, "dx is dy", float("inf"), 0.0))
+    results += _untouched_outside(case, kwargs["out"])
     if kwargs["out"] is not None and got[0] is not kwargs["out"]:
         results.append(Result(case, "dx is out", float("inf"), 0.0))
     return results

@@ -78,9 +78,12 @@ def arch_number(arch) -> int:
 
 def _error_context(log: str, text: str, around: int = 2) -> str:
     """The rendered text's lines the NVRTC log points at ("file(LINE): error"),
-    numbered as in the rendered text, with `around` lines either side."""
+    numbered as in the rendered text, with `around` lines either side: the
+    errors' first, then the warnings'."""
     lines = text.splitlines()
-    wanted = sorted({int(n) for n in re.findall(r"\((\d+)\): (?:error|warning)", log)})[:5]
+    errors = sorted({int(n) for n in re.findall(r"\((\d+)\): error", log)})
+    warnings = sorted({int(n) for n in re.findall(r"\((\d+)\): warning", log)} - set(errors))
+    wanted = (errors + warnings)[:5]
     out = []
     for n in wanted:
         out.append(f"--- rendered text, line {n}:")

@@ -66,6 +66,8 @@ def from_knobs(knobs: dict, **call) -> Traits:
     chosen vector width and the layout."""
     fields, max_vector, aligned_vector = call_fields(**call)
     itemsize = dtypes.itemsize(fields["input_dtype"])
+    if fields.get("per_head") and "cache_weights" not in knobs:  # per-head weights are read where used
+        knobs = dict(knobs, cache_weights=False)
     bytes_per_ldg = knobs.get("bytes_per_ldg", KNOB_DEFAULTS["bytes_per_ldg"])
     elts = bytes_per_ldg // itemsize
     if elts > max_vector:

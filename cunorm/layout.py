@@ -77,12 +77,14 @@ def common_axes(shape: tuple, *strides: tuple) -> tuple | None:
     return [n for n, _ in merged], [[st[i] for _, st in merged] for i in range(len(strides))]
 
 
-def three_axis_rows(arrays: dict, n: int) -> dict | None:
+def three_axis_rows(arrays: dict, n: int, outputs: set = frozenset()) -> dict | None:
     """{name: Rows} reading every array (kinds.Tensor, shape (..., n), the
     first one x) in place through the leading axes they share, when some
     array's leading axes do not merge into one row stride but all arrays'
     merge into at most MAX_ROW_AXES (with a unit last-axis stride); None
-    otherwise (one row stride each does, or the layout needs copies)."""
+    otherwise (one row stride each does, or the layout needs copies). The
+    arrays named in `outputs` are written: ValueError where their rows would
+    overlap one another."""
     arrs = list(arrays.values())
     shape = tuple(arrs[0].shape)
     if len(shape) < 3 or any(n > 1 and a.strides[-1] != a.itemsize for a in arrs):
@@ -96,9 +98,25 @@ def three_axis_rows(arrays: dict, n: int) -> dict | None:
     rows = math.prod(shape[:-1])
     if found is None or rows >= 2**32 or any(s < 0 for st in found[1] for s in st):
         return None
-    (_, d1, d2), strides = found
+    sizes, strides = found
+    for (name, a), st in zip(arrays.items(), strides):
+        if name in outputs and not _rows_apart(sizes, st, n):
+            raise ValueError(f"{name}: strides {a.strides} make rows overlap (a broadcast or interleaved view); "
+                             f"an output's rows must not share memory")
+    _, d1, d2 = sizes
     return {name: Rows(name, a, rows, st[2], a.ptr // a.itemsize, axes=(*st, d1, d2))
             for (name, a), st in zip(arrays.items(), strides)}
+
+
+def _rows_apart(sizes: list, strides: list, n: int) -> bool:
+    """Whether rows through these axes never share an element: each axis (innermost first, by stride) steps
+    past everything the axes inside it cover (a sufficient test)."""
+    extent = n
+    for size, stride in sorted(((z, s) for z, s in zip(sizes, strides) if z > 1), key=lambda p: p[1]):
+        if stride < extent:
+            return False
+        extent = stride * (size - 1) + extent
+    return True
 
 
 def fresh_three_axis_rows(name: str, x: Rows, n: int) -> Rows:

@@ -17,7 +17,7 @@
 // call is also stored (for delayed scaling; NaN is ignored, as fmaxf does).
 #define CN_QUANT ${QUANT}
 #define CN_AMAX ${AMAX}
-constexpr int QUANT_NONE = 0, QUANT_TENSOR = 1, QUANT_ROW = 2, QUANT_GROUP = 3;
+enum QuantMode : int { QUANT_NONE = 0, QUANT_TENSOR = 1, QUANT_ROW = 2, QUANT_GROUP = 3 };
 constexpr int QUANT = CN_QUANT;
 constexpr bool AMAX = CN_AMAX;
 constexpr int QUANT_GROUP_COLS = 128;
@@ -135,13 +135,12 @@ norm_fwd(const input_t* x, const residual_t* residual, const weight_t* __restric
     const bool finite = cn_isfinite(sq[0]);
     const compute_t rstd = finite ? cn_rsqrt(sq[0] * inv_cols + eps) : cn_nan<compute_t>();
     if (!finite) mean = rstd;
-    // Element e of LDG step `it` of y (wv, bv: gamma's and beta's vectors there).
-    auto y_at = [&](int it, int e, const auto& wv, const auto& bv) -> compute_t {
+    // xhat * g of element e of LDG step `it` (wv: gamma's vector there); y adds beta.
+    auto scaled_at = [&](int it, int e, const auto& wv) -> compute_t {
       // (h - mean) * rstd, not h * rstd - mean * rstd: exact even when |mean| >> std.
       // A row of one element normalizes to 0 (y = beta), whatever eps.
       const compute_t xhat = (!RMS && COLS == 1) ? 0 * rstd : (value(it, e) - mean) * rstd;  // NaN rows stay NaN
-      const compute_t scaled = HAS_WEIGHT ? xhat * scale_of(wv.get(e)) : xhat;
-      return HAS_BIAS ? scaled + bv.get(e) : scaled;
+      return HAS_WEIGHT ? xhat * scale_of(wv.get(e)) : xhat;
     };
     float inv_scale = 1.f;  // QUANT: what y is multiplied by before rounding to fp8
     if constexpr (QUANT == QUANT_TENSOR) inv_scale = 1.f / *qscale;
@@ -157,7 +156,8 @@ norm_fwd(const input_t* x, const residual_t* residual, const weight_t* __restric
           const auto bv = b(it, at, row);
 #pragma unroll
           for (int e = 0; e < ELTS_PER_LDG; ++e)
-            if (whole<EDGES>(it, at) || at.valid(it, e)) m[0] = fmaxf(m[0], fabsf(y_at(it, e, wv, bv)));
+            if (whole<EDGES>(it, at) || at.valid(it, e))
+              m[0] = fmaxf(m[0], fabsf(HAS_BIAS ? scaled_at(it, e, wv) + bv.get(e) : scaled_at(it, e, wv)));
         }
       });
       row_max.allreduce(m, at);
@@ -180,7 +180,10 @@ norm_fwd(const input_t* x, const residual_t* residual, const weight_t* __restric
           const auto bv = b(it, at, row);
           compute_t out[ELTS_PER_LDG];
 #pragma unroll
-          for (int e = 0; e < ELTS_PER_LDG; ++e) out[e] = y_at(it, e, wv, bv);
+          for (int e = 0; e < ELTS_PER_LDG; ++e) {
+            const compute_t scaled = scaled_at(it, e, wv);
+            out[e] = HAS_BIAS ? scaled + bv.get(e) : scaled;
+          }
           if constexpr (AMAX) {
 #pragma unroll
             for (int e = 0; e < ELTS_PER_LDG; ++e)

@@ -390,3 +390,24 @@ def test_fp8_outputs_on_the_numpy_path(rng):
         cunorm.rms_norm(q.astype(ml_dtypes.float8_e4m3fn))
     with pytest.raises(TypeError, match="out_dtype: float8_e4m3fn needs x of float32"):
         cunorm.rms_norm(x.astype(np.float64), out_dtype="float8_e4m3fn", scaling="row")
+
+
+def test_three_axis_outputs_and_per_head_mixes_are_checked(rng):
+    """An out= through three axes whose rows would share memory is refused; a per-head bias needs a per-head
+    weight (the backward's dbias follows the weight); traits= given as knobs for a per-head call leave the
+    weights unheld."""
+    from numpy.lib.stride_tricks import as_strided
+
+    qkv = rng.standard_normal((2, 5, 3, 4, 64)).astype(np.float32)
+    q, w = qkv[:, :, 0], np.ones(64, np.float32)
+    broadcast = as_strided(np.zeros(4096, np.float32), shape=q.shape, strides=(0, 3072, 256, 4))
+    with pytest.raises(ValueError, match=r"out: strides \(0, 3072, 256, 4\) make rows overlap"):
+        cunorm.rms_norm(q, w, out=broadcast)
+    interleaved = as_strided(np.zeros(4096, np.float32), shape=q.shape, strides=(1536, 256, 128, 4))
+    with pytest.raises(ValueError, match="make rows overlap"):
+        cunorm.rms_norm(q, w, out=interleaved)
+    x = rng.standard_normal((3, 5, 4, 64)).astype(np.float32)
+    with pytest.raises(ValueError, match=r"bias: a bias per head \(4, 64\) needs a weight per head"):
+        cunorm.layer_norm(x, w, np.ones((4, 64), np.float32))
+    ex = cunorm.explain("layer_norm", x, np.ones((4, 64), np.float32), traits={"warps_n": 2})
+    assert "CACHE_WEIGHTS=0" in str(ex)

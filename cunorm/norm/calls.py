@@ -162,6 +162,9 @@ def forward_args(rms, x, weight, bias, eps, residual, residual_dtype, zero_cente
     x_dtype = arrays.check_dtype(X)
     n = hidden_size(X)
     w_dtype, b_dtype = _vector_arg(W, n, X.array.shape), _vector_arg(B, n, X.array.shape)
+    if B is not None and B.array.ndim == 2 and not (W is not None and W.array.ndim == 2):
+        # The backward's dbias follows the weight's form (per head or not): a per-head bias needs a per-head weight.
+        raise ValueError(f"bias: a bias per head {tuple(B.array.shape)} needs a weight per head (x.shape[-2:]) too")
     if R is not None:
         arrays.check_dtype(R)
         arrays.check_shape(R, X.array.shape, "x's shape")

@@ -96,23 +96,9 @@ def prepare(d: Direction, args: dict, outputs: dict, base: dict) -> Prepared:
     for k in d.weights:
         if args.get(k) is not None:
             layout.check_elements(args[k])
-    given = {name: a for name, a in outputs.items() if a is not None}
-    laid = {name: args[name] for name in d.row_inputs if args.get(name) is not None} | given
-    for a in laid.values():
-        layout.check_elements(a)
-    three = layout.three_axis_rows({name: a.array for name, a in laid.items()}, n)
-    if three is not None:
-        rows = {name: three.get(name) for name in d.row_inputs}
-        out_rows = {name: three[name] if name in given else layout.fresh_three_axis_rows(name, rows["x"], n)
-                    for name in outputs}
+    rows, out_rows, three = _row_views(d, args, outputs, n, dtypes.itemsize(base["input_dtype"]))
+    if three:
         base = dict(base, row_axes=3)
-    else:
-        rows = {name: None if args.get(name) is None else layout.rows_of(args[name], n) for name in d.row_inputs}
-        out_rows = {}
-        offset = layout.mirrored_offset(rows["x"], dtypes.itemsize(base["input_dtype"]))
-        for name, a in outputs.items():
-            out_rows[name] = (layout.rows_of(a, n, output=True) if a is not None
-                              else layout.fresh_rows(name, rows["x"].rows, n, offset))
     check_outputs(d, [r for r in out_rows.values() if r.array is not None], rows, args, n)
     rows.update(out_rows)
     present = [r for r in rows.values() if r is not None]
@@ -120,6 +106,28 @@ def prepare(d: Direction, args: dict, outputs: dict, base: dict) -> Prepared:
     base = dict(base, max_vector=max_vector, aligned_vector=aligned_vector)
     heads = args["x"].array.shape[-2] if base.get("per_head") else 1
     return Prepared(base, rows, n, rows["x"].rows, d.in_place, heads)
+
+
+def _row_views(d: Direction, args: dict, outputs: dict, n: int, x_itemsize: int) -> tuple:
+    """(row views of the row inputs, of the outputs (fresh ones where None
+    is given), whether they run through three axes): one row stride per
+    tensor where each has one (copies of inputs that have none), else the
+    axes the call's row tensors share (`layout.three_axis_rows`)."""
+    given = {name: a for name, a in outputs.items() if a is not None}
+    laid = {name: args[name] for name in d.row_inputs if args.get(name) is not None} | given
+    for a in laid.values():
+        layout.check_elements(a)
+    three = layout.three_axis_rows({name: a.array for name, a in laid.items()}, n, outputs=set(given))
+    if three is not None:
+        rows = {name: three.get(name) for name in d.row_inputs}
+        out_rows = {name: three[name] if name in given else layout.fresh_three_axis_rows(name, rows["x"], n)
+                    for name in outputs}
+        return rows, out_rows, True
+    rows = {name: None if args.get(name) is None else layout.rows_of(args[name], n) for name in d.row_inputs}
+    offset = layout.mirrored_offset(rows["x"], x_itemsize)
+    out_rows = {name: layout.rows_of(a, n, output=True) if a is not None else
+                layout.fresh_rows(name, rows["x"].rows, n, offset) for name, a in outputs.items()}
+    return rows, out_rows, False
 
 
 def forward_prepare(args: dict, base: dict) -> Prepared:
@@ -166,8 +174,8 @@ def _overlap_check(d: Direction, n: int):
 
     def check(objs: dict):
         taken = {name: None if o is None else arrays.take(o, name) for name, o in objs.items()}
-        rows = {name: layout.rows_of(taken[name], n) for name in d.row_inputs if taken.get(name) is not None}
-        check_outputs(d, [layout.rows_of(taken["out"], n, output=True)], rows, taken, n)
+        rows, out_rows, _ = _row_views(d, taken, {"out": taken["out"]}, n, taken["x"].array.itemsize)
+        check_outputs(d, [out_rows["out"]], rows, taken, n)
 
     return check
 

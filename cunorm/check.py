@@ -35,9 +35,10 @@ OPS = NORM_OPS + ("attention_delta",)
 SWEEPS = ("tuned", "general", "flags", "pairwise")
 # Row layouts of x, residual, dy and dresidual: "contiguous", "offset:K" (a view
 # K elements into its buffer), "stride:+D" (rows D elements apart beyond N).
-# "qkv" (cases with heads only): the k slot of a fused [2, S + 1, 3, heads, N] buffer, sliced to S: three
+# QKV_LAYOUT (cases with heads only): the k slot of a fused [2, S + 1, 3, heads, N] buffer, sliced to S: three
 # leading axes whose strides do not merge.
-LAYOUTS = ("contiguous",) + tuple(f"offset:{k}" for k in range(1, 8)) + ("stride:+13", "stride:+64", "qkv")
+LAYOUTS = ("contiguous",) + tuple(f"offset:{k}" for k in range(1, 8)) + ("stride:+13", "stride:+64")
+QKV_LAYOUT = "qkv"
 WEIGHT_LAYOUTS = ("contiguous", "broadcast", "strided", "offset")
 
 

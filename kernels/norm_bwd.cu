@@ -169,7 +169,8 @@ norm_bwd(const output_t* dy, const input_t* x, const residual_t* dresidual,
 #if CN_FROM_OUTPUT
     compute_t shifted = v.get(e);
     if constexpr (HAS_BIAS) shifted -= compute_t(bvals(it, at, row).get(e));
-    return HAS_WEIGHT ? shifted / scale_of(wv.get(e)) : shifted;
+    // Lanes outside the row hold y = beta = gamma = 0: xhat 0 there, not 0 / 0 (they join the row sums).
+    return HAS_WEIGHT ? (shifted == compute_t(0) ? shifted : shifted / scale_of(wv.get(e))) : shifted;
 #else
     return (v.get(e) - mu) * rs;
 #endif

@@ -174,7 +174,7 @@ def layer_norm_backward(dy, x=None, mean=None, rstd=None, weight=None, *, y=None
     where the weight is near zero (xhat carries y's rounding divided by it).
     """
     values = (dy, x if y is None else y, mean, rstd, weight, dresidual, out, bias)
-    key, ptrs = _call_key(values, (2, has_bias, bias_dtype, zero_centered_weight, source, traits, y is None))
+    key, ptrs = _call_key(values, (2, has_bias, bias_dtype, zero_centered_weight, y is None, source, traits))
     hit = _CALLS.get(key)
     if hit is not None:
         return hit.run(values, ptrs)
@@ -189,7 +189,7 @@ def rms_norm_backward(dy, x=None, rstd=None, weight=None, *, y=None, bias=None, 
     memory-efficient form takes `y=` (and `bias=` if the forward had one)
     in place of x, as in `layer_norm_backward`."""
     values = (dy, x if y is None else y, None, rstd, weight, dresidual, out, bias)
-    key, ptrs = _call_key(values, (3, has_bias, bias_dtype, zero_centered_weight, source, traits, y is None))
+    key, ptrs = _call_key(values, (3, has_bias, bias_dtype, zero_centered_weight, y is None, source, traits))
     hit = _CALLS.get(key)
     if hit is not None:
         return hit.run(values, ptrs)

@@ -303,9 +303,16 @@ def fp8_cases(op: str) -> list:
     return cases
 
 
+# fp32 y carries an absolute error of a few ulps of the row's largest terms; scaled to the fp8 range that is
+# about FP8_MAX * 2^-20, which near zero exceeds the fp8 grid's spacing (subnormals): the unit there instead.
+FP8_FLOOR = 2.0 ** -18
+
+
 def fp8_ulps(got, want, fmt: str) -> float:
     """The largest difference between two fp8 arrays (numpy, ml_dtypes) in units of the format's spacing at
-    the larger magnitude of each pair; NaN where one is NaN and the other is not, 0 where both are."""
+    the larger magnitude of each pair, or of FP8_FLOOR x the format's largest value where that is coarser
+    (values near zero, where the fp32 y's rounding outweighs the grid); NaN where one is NaN and the other is
+    not, 0 where both are."""
     from .reference import FP8_MAX
 
     a, b = np.asarray(got, np.float64), np.asarray(want, np.float64)
@@ -315,7 +322,7 @@ def fp8_ulps(got, want, fmt: str) -> float:
     a, b = np.where(nan_a, 0, a), np.where(nan_b, 0, b)
     man, min_normal = (3, 2.0 ** -6) if FP8_MAX[fmt] == 448.0 else (2, 2.0 ** -14)
     m = np.maximum(np.maximum(abs(a), abs(b)), min_normal)
-    spacing = 2.0 ** (np.floor(np.log2(m)) - man)
+    spacing = np.maximum(2.0 ** (np.floor(np.log2(m)) - man), FP8_FLOOR * FP8_MAX[fmt])
     return float((abs(a - b) / spacing).max(initial=0.0))
 
 

@@ -411,3 +411,18 @@ def test_three_axis_outputs_and_per_head_mixes_are_checked(rng):
         cunorm.layer_norm(x, w, np.ones((4, 64), np.float32))
     ex = cunorm.explain("layer_norm", x, np.ones((4, 64), np.float32), traits={"warps_n": 2})
     assert "CACHE_WEIGHTS=0" in str(ex)
+
+
+def test_fp8_steps_measure_the_grid():
+    """check.fp8_ulps: one step of the fp8 grid at the larger value; near zero the fp32 floor; NaN against a
+    number fails."""
+    import ml_dtypes
+
+    from cunorm import check
+
+    e5 = lambda v: np.array(v, np.float32).astype(ml_dtypes.float8_e5m2)  # noqa: E731
+    assert check.fp8_ulps(e5([-1536.0]), e5([-1792.0]), "float8_e5m2") == 1.0  # a near-tie rounded either way
+    assert check.fp8_ulps(e5([1024.0]), e5([1792.0]), "float8_e5m2") == 3.0
+    assert check.fp8_ulps(e5([3 * 2.0 ** -16]), e5([0.0]), "float8_e5m2") < 1.0  # under the fp32 floor
+    assert np.isnan(check.fp8_ulps(e5([np.nan]), e5([1.0]), "float8_e5m2"))
+    assert check.fp8_ulps(e5([np.nan]), e5([np.nan]), "float8_e5m2") == 0.0

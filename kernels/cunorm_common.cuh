@@ -283,24 +283,27 @@ __device__ __forceinline__ void cluster_sync() {
 #endif
 }
 
-// Reads the value at `local` (a __shared__ address) in the CTA of cluster rank `rank`.
+// The shared-memory address, in the CTA of cluster rank `rank`, of `local` (a __shared__ address here).
+__device__ __forceinline__ unsigned cluster_address(const void* local, unsigned rank) {
+  unsigned remote = 0;
+#if __CUDA_ARCH__ >= 900
+  const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(local));
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(addr), "r"(rank));
+#endif
+  return remote;
+}
+// Reads the value at `local` in the CTA of cluster rank `rank`.
 __device__ __forceinline__ float load_cluster_shared(const float* local, unsigned rank) {
   float v = 0.f;
 #if __CUDA_ARCH__ >= 900
-  unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(local));
-  unsigned remote;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(addr), "r"(rank));
-  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
+  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(cluster_address(local, rank)) : "memory");
 #endif
   return v;
 }
 __device__ __forceinline__ double load_cluster_shared(const double* local, unsigned rank) {
   double v = 0.0;
 #if __CUDA_ARCH__ >= 900
-  unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(local));
-  unsigned remote;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(addr), "r"(rank));
-  asm volatile("ld.shared::cluster.f64 %0, [%1];" : "=d"(v) : "r"(remote) : "memory");
+  asm volatile("ld.shared::cluster.f64 %0, [%1];" : "=d"(v) : "r"(cluster_address(local, rank)) : "memory");
 #endif
   return v;
 }

@@ -113,12 +113,13 @@ def rms_norm_backward(dy, x, rstd, weight=None, *, dresidual=None, zero_centered
 def norm_backward_from_output(dy, y, rstd, weight=None, bias=None, *, rms: bool = False, dresidual=None,
                               zero_centered_weight: bool = False):
     """(dx, dweight, dbias) in float64 from the forward's output y (the
-    memory-efficient backward): xhat = (y - bias) / w. Exact given exact y;
-    y's rounding reaches xhat divided by w."""
+    memory-efficient backward): xhat = (y - bias) / w, 0 where w is 0. Exact
+    given exact y; y's rounding reaches xhat divided by w."""
     dy, y, rstd = _f64(dy), _f64(y), _f64(rstd)[..., None]
     w = _effective_weight(weight, zero_centered_weight)
     shifted = y - _f64(bias) if bias is not None else y
-    xhat = shifted / w if w is not None else shifted
+    with np.errstate(all="ignore"):  # a zero multiplier loses xhat: taken as 0, as the kernels take it
+        xhat = np.where(w == 0, 0.0, shifted / w) if w is not None else shifted
     dx = _row_grads(dy, xhat, rstd, w, dresidual, centered=not rms)
     lead = _summed_axes(y, weight)
     return dx, ((dy * xhat).sum(axis=lead) if weight is not None else None), dy.sum(axis=lead)

@@ -169,8 +169,13 @@ norm_bwd(const output_t* dy, const input_t* x, const residual_t* dresidual,
 #if CN_FROM_OUTPUT
     compute_t shifted = v.get(e);
     if constexpr (HAS_BIAS) shifted -= compute_t(bvals(it, at, row).get(e));
-    // Lanes outside the row hold y = beta = gamma = 0: xhat 0 there, not 0 / 0 (they join the row sums).
-    return HAS_WEIGHT ? (shifted == compute_t(0) ? shifted : shifted / scale_of(wv.get(e))) : shifted;
+    // A zero multiplier loses xhat (y = beta there): 0, not 0 / 0 or -beta / 0 (lanes outside the row and rows
+    // past the end join the sums too).
+    if constexpr (HAS_WEIGHT) {
+      const compute_t g = scale_of(wv.get(e));
+      return g == compute_t(0) ? compute_t(0) : shifted / g;
+    }
+    return shifted;
 #else
     return (v.get(e) - mu) * rs;
 #endif

@@ -426,3 +426,22 @@ def test_fp8_steps_measure_the_grid():
     assert check.fp8_ulps(e5([3 * 2.0 ** -16]), e5([0.0]), "float8_e5m2") < 1.0  # under the fp32 floor
     assert np.isnan(check.fp8_ulps(e5([np.nan]), e5([1.0]), "float8_e5m2"))
     assert check.fp8_ulps(e5([np.nan]), e5([np.nan]), "float8_e5m2") == 0.0
+
+
+def test_fp8_group_scaling_and_per_head_bias_refusals(rng):
+    """128-column scaling needs rows in aligned vectors: an offset view is refused naming scaling (on the numpy
+    path as on the GPU); the memory-efficient backward refuses a per-head bias beside a 1-D weight; a zero
+    multiplier there gives xhat = 0, not NaN."""
+    x = rng.standard_normal((4, 257)).astype(np.float32)
+    with pytest.raises(ValueError, match="scaling: 'group' reads rows in aligned vectors"):
+        cunorm.rms_norm(x[:, 1:], out_dtype="float8_e4m3fn", scaling="group")
+    x4 = rng.standard_normal((2, 3, 4, 64))
+    w, b = np.ones(64), np.ones((4, 64))
+    y, rstd = cunorm.rms_norm(x4, w, return_stats=True)
+    with pytest.raises(ValueError, match=r"bias: a bias per head \(4, 64\) needs a weight per head"):
+        cunorm.rms_norm_backward(y, rstd=rstd, weight=w, y=y, bias=b)
+    w0 = np.ones(64)
+    w0[3] = 0.0
+    y, rstd = cunorm.rms_norm(x4, w0, return_stats=True)
+    dx, dw = cunorm.rms_norm_backward(y, rstd=rstd, weight=w0, y=y)
+    assert np.isfinite(dx).all() and np.isfinite(dw).all() and dw[3] == 0.0

@@ -171,7 +171,8 @@ def layer_norm_backward(dy, x=None, mean=None, rstd=None, weight=None, *, y=None
     (the forward's output) instead of x and mean, with rstd, the weight and,
     if the forward had one, `bias=`: xhat = (y - bias) / weight. dx is then in
     y's dtype, and dbias is returned exactly when a bias is given. Inexact
-    where the weight is near zero (xhat carries y's rounding divided by it).
+    where the weight is near zero (xhat carries y's rounding divided by it);
+    a zero multiplier gives xhat = 0 (lost: y = bias there).
     """
     values = (dy, x if y is None else y, mean, rstd, weight, dresidual, out, bias)
     key, ptrs = _call_key(values, (2, has_bias, bias_dtype, zero_centered_weight, y is None, source, traits))

@@ -230,6 +230,8 @@ def backward_args(rms, dy, x, mean, rstd, weight, has_bias, bias_dtype, dresidua
     has_bias = bool(has_bias)
     b_dtype = _dtype_arg("bias_dtype", bias_dtype, w_dtype) if has_bias else None
     B = args["bias"]
+    if B is not None and B.array.ndim == 2 and not (W is not None and W.array.ndim == 2):
+        raise ValueError(f"bias: a bias per head {tuple(B.array.shape)} needs a weight per head (x.shape[-2:]) too")
     if B is not None:  # from_output: dbias in the bias's dtype
         given = _vector_arg(B, n, X.array.shape)
         if bias_dtype is not None and b_dtype != given:

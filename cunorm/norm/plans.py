@@ -134,7 +134,12 @@ def forward_prepare(args: dict, base: dict) -> Prepared:
     outputs = {"y" if args["out"] is None else "out": args["out"]}
     if args["residual"] is not None:
         outputs["residual_out"] = None
-    return prepare(FORWARD, args, outputs, base)
+    p = prepare(FORWARD, args, outputs, base)
+    if base.get("quant") == "group" and not (p.base["aligned_vector"] == p.base["max_vector"]
+                                             and p.base["aligned_vector"] >= 4):
+        raise ValueError("scaling: 'group' reads rows in aligned vectors of >= 4 elements: x (and the residual) "
+                         "must start on a 16-byte boundary with a row stride to match (pass a contiguous copy)")
+    return p
 
 
 def backward_prepare(args: dict, base: dict) -> Prepared:

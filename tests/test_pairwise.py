@@ -5,7 +5,7 @@ import itertools
 import numpy as np
 import pytest
 
-from cunorm import check, dtypes, norm, pairwise
+from cunorm import check, dtypes, norm, pairwise, sweeps
 
 
 def test_covering_array_covers_every_pair():
@@ -30,7 +30,7 @@ def test_pairwise_sweep_draws_every_tensor_independently(op):
     """Every pair of tensor dtypes (and layouts) appears in some case of the
     sweep, residual against residual_out included."""
     factors, off = check.pairwise_factors(op)
-    rows = check._pairwise_rows(op, None, dtypes.NAMES)
+    rows = sweeps._pairwise_rows(op, None, dtypes.NAMES)
     assert not pairwise.uncovered_pairs(list(rows), factors, off)
     cases = [c for c in check.pairwise_cases(ops=(op,))]
     assert len(cases) == len(rows)

@@ -64,10 +64,14 @@ def _vector_arg(a, n: int, x_shape: tuple | None = None) -> str:
     return d
 
 
-def per_head(*weights) -> bool:
+def per_head(weight, bias=None) -> bool:
     """Whether a call's weight or bias is per head ([heads, N]: row r takes head r % heads, heads = x.shape[-2],
-    for q/k-norm over the head dim); a one-dimensional one beside it serves every head."""
-    return any(w is not None and w.array.ndim == 2 for w in weights)
+    for q/k-norm over the head dim); a one-dimensional bias beside a per-head weight serves every head. The
+    backward's dbias follows the weight's form, so a per-head bias needs a per-head weight."""
+    w2, b2 = (a is not None and a.array.ndim == 2 for a in (weight, bias))
+    if b2 and not w2:
+        raise ValueError(f"bias: a bias per head {tuple(bias.array.shape)} needs a weight per head (x.shape[-2:]) too")
+    return w2 or b2
 
 
 def _dtype_arg(name: str, value, default: str, fp8: bool = False) -> str:
@@ -162,9 +166,6 @@ def forward_args(rms, x, weight, bias, eps, residual, residual_dtype, zero_cente
     x_dtype = arrays.check_dtype(X)
     n = hidden_size(X)
     w_dtype, b_dtype = _vector_arg(W, n, X.array.shape), _vector_arg(B, n, X.array.shape)
-    if B is not None and B.array.ndim == 2 and not (W is not None and W.array.ndim == 2):
-        # The backward's dbias follows the weight's form (per head or not): a per-head bias needs a per-head weight.
-        raise ValueError(f"bias: a bias per head {tuple(B.array.shape)} needs a weight per head (x.shape[-2:]) too")
     if R is not None:
         arrays.check_dtype(R)
         arrays.check_shape(R, X.array.shape, "x's shape")
@@ -230,8 +231,6 @@ def backward_args(rms, dy, x, mean, rstd, weight, has_bias, bias_dtype, dresidua
     has_bias = bool(has_bias)
     b_dtype = _dtype_arg("bias_dtype", bias_dtype, w_dtype) if has_bias else None
     B = args["bias"]
-    if B is not None and B.array.ndim == 2 and not (W is not None and W.array.ndim == 2):
-        raise ValueError(f"bias: a bias per head {tuple(B.array.shape)} needs a weight per head (x.shape[-2:]) too")
     if B is not None:  # from_output: dbias in the bias's dtype
         given = _vector_arg(B, n, X.array.shape)
         if bias_dtype is not None and b_dtype != given:

@@ -81,12 +81,12 @@ class CupyKind:
         return Tensor(a, cls, a.data.ptr, a.shape, a.strides, a.dtype, a.data.device_id)
 
     @staticmethod
-    def allocation(specs) -> object:
+    def allocation(specs, anchor: int) -> object:
         """A function of (device, the call's arguments) making fresh outputs for
-        `specs` ((shape, numpy dtype, offset in elements, index of an argument
-        of that shape and dtype or None) each): one allocation carved into
-        C-contiguous arrays, each `offset` elements past a 256-byte boundary.
-        It returns ([array], [pointer])."""
+        `specs` ((shape, numpy dtype, offset in elements) each): one allocation
+        carved into C-contiguous arrays, each `offset` elements past a 256-byte
+        boundary. It returns ([array], [pointer]). `anchor`: the position of
+        the argument of this kind that the call is for (on its device)."""
         import cupy
 
         # CuPy has no fp8 dtype: fp8 outputs come back as uint8 arrays of their bits (documented).
@@ -214,29 +214,28 @@ class TorchKind:
                       t.get_device())
 
     @classmethod
-    def allocation(cls, specs) -> object:
+    def allocation(cls, specs, anchor: int) -> object:
         """As CupyKind.allocation, through torch's caching allocator: a tensor
         of its own for each output (outputs of a torch custom op may not share
-        storage), `empty_like` an argument where one matches (the cheapest
-        call), an offset output sliced from a longer one."""
-        torch = cls.load()
-        empty, empty_like = torch.empty, torch.empty_like
-        made = [(shape, cls._to_torch[dt], offset, like if not offset else None) for shape, dt, offset, like in specs]
-        devices = {}
+        storage), made by the anchor's `new_empty` with the sizes as ints (a
+        fraction of what `torch.empty` spends parsing a shape, dtype and
+        device; every further view costs as much again), or, `offset`
+        elements on, sliced from a longer one."""
+        cls.load()
+        # new_empty's arguments: the sizes, or () for a 0-d output.
+        made = [(tuple(shape), tuple(shape) or ((),), cls._to_torch[dt], offset) for shape, dt, offset in specs]
 
         def make(device_id: int, objs):
-            dev = devices.get(device_id)
-            if dev is None:
-                dev = devices[device_id] = torch.device("cuda", device_id)
+            a = objs[anchor]
+            same = a.dtype
             out = []
-            for shape, tdt, offset, like in made:
-                if like is not None:
-                    out.append(empty_like(objs[like]))
-                elif offset:
-                    out.append(empty(math.prod(shape) + offset, dtype=tdt, device=dev)[offset:].view(shape))
+            for shape, sizes, tdt, offset in made:
+                if offset:
+                    t = a.new_empty(math.prod(shape) + offset, dtype=tdt)[offset:]
+                    out.append(t.view(shape) if len(shape) != 1 else t)
                 else:
-                    out.append(empty(shape, dtype=tdt, device=dev))
-            return out, [a.data_ptr() for a in out]
+                    out.append(a.new_empty(*sizes) if tdt is same else a.new_empty(*sizes, dtype=tdt))
+            return out, [t.data_ptr() for t in out]
 
         return make
 

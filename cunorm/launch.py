@@ -7,8 +7,9 @@ planning; a call writes only its pointers and per-call scalars into their
 slots and hands the array to cuLaunchKernel (CuPy's driver binding): no
 argument objects, no CuPy kernel wrapper. `CallPlan.run` is the whole of a
 repeated call: copies the plan asks for, fresh outputs, the `out=` overlap
-test, the launches, the result. Names are resolved to positions once, when
-the plan is built, so a call moves lists, not dictionaries.
+test, working memory (`scratch_pointer`), the launches, the result. Names are
+resolved to positions once, when the plan is built, so a call moves lists,
+not dictionaries.
 """
 from __future__ import annotations
 
@@ -126,6 +127,70 @@ def _launch(*args):
     launchKernel(*args)
 
 
+# Working memory reused per stream. A call's scratch is written and read only by its own kernels, queued on
+# one stream, so the next call on that stream may have the same bytes (stream order). This takes a stream
+# handle to name one stream: cudaStreamDestroy releases a handle once the stream's queued work is done, so
+# a reused handle should not meet that work (inferred from the documentation, not promised by it), and the
+# per-thread default stream (handle 2: one handle, a stream per thread) gets no arena. Nor does a stream
+# capturing a CUDA graph (the graph keeps the address: its blocks are kept for good, `_graph_blocks`), nor a
+# call above ARENA_BYTES (GPU-bound: a fresh allocation costs nothing there). An arena starts with
+# CONTROL_BYTES of words that kernels keep at 0 between launches (the backward's last-CTA ticket): zeroed
+# once, when the arena is made, and never part of a call's scratch.
+ARENA_BYTES = 4 << 20
+CONTROL_BYTES = 256
+MAX_ARENAS = 16
+PER_THREAD_STREAM = 2  # cudaStreamPerThread
+_arenas: dict = {}  # (kind, device, stream) -> (what keeps it alive, pointer, scratch bytes)
+_graph_blocks: list = []  # working memory of captured launches: a replay may come at any time
+_launch_lock = threading.Lock()  # packed slots and arenas: filled and launched together (one lock: all threads)
+
+
+def scratch_pointer(kind, device_id: int, stream: int, nbytes: int, control: bool) -> tuple:
+    """(what keeps it alive until the launches are queued, pointer of `nbytes` of working memory, pointer
+    of CONTROL_BYTES of zeros) for kernels queued on `stream`; `control`: whether the call needs the
+    zeros (a fresh block's are then cleared on the stream). Call under `_launch_lock`."""
+    capturing = _capturing(stream)
+    if capturing or nbytes > ARENA_BYTES or stream == PER_THREAD_STREAM:
+        keep, ptr = kind.raw(device_id, CONTROL_BYTES + nbytes)
+        if control:
+            _memset(ptr, 0, CONTROL_BYTES, stream)
+        if capturing:
+            _graph_blocks.append(keep)
+        return keep, ptr + CONTROL_BYTES, ptr
+    key = (kind, device_id, stream)
+    arena = _arenas.get(key)
+    if arena is None or arena[2] < nbytes:
+        if arena is None and len(_arenas) >= MAX_ARENAS:
+            del _arenas[next(iter(_arenas))]  # the oldest: freed in its stream's order
+        size = max(nbytes, 64 << 10)
+        keep, ptr = kind.raw(device_id, CONTROL_BYTES + size)
+        _memset(ptr, 0, CONTROL_BYTES, stream)
+        arena = _arenas[key] = (keep, ptr, size)
+    return arena[0], arena[1] + CONTROL_BYTES, arena[1]
+
+
+def _memset(*args):
+    from cupy_backends.cuda.api.runtime import memsetAsync
+
+    global _memset
+    _memset = memsetAsync  # looked up once
+    memsetAsync(*args)
+
+
+def _capturing(stream: int) -> bool:
+    from cupy_backends.cuda.api.runtime import streamIsCapturing
+
+    def capturing(stream: int) -> bool:
+        try:
+            return streamIsCapturing(stream)
+        except Exception:  # e.g. the legacy stream beside a global capture: no arena (the launch reports it)
+            return True
+
+    global _capturing
+    _capturing = capturing  # looked up once
+    return capturing(stream)
+
+
 @dataclass(frozen=True)
 class Output:
     """An array a call allocates: `offset` elements past an aligned start (so
@@ -135,7 +200,6 @@ class Output:
     shape: tuple
     dtype: np.dtype
     offset: int = 0
-    like: str | None = None  # an argument of this shape and dtype, C-contiguous: kinds may allocate "like" it
 
 
 def span(shape: tuple, strides: tuple, itemsize: int) -> int:
@@ -148,11 +212,13 @@ def span(shape: tuple, strides: tuple, itemsize: int) -> int:
 class CallPlan:
     """Everything a repeated call with one cache key does.
 
-    names: the call's array arguments in key order. launches: Launch objects
-    whose pointers name arguments, outputs or scratch. outputs: allocated per
-    call through the caller's kind. scratch: (name, bytes) of working memory,
-    one raw allocation per call, released (stream-ordered) once the launches
-    are queued. copies: arguments copied to fresh contiguous arrays on every
+    names: the call's array arguments in key order; anchor: the one whose
+    kind the call has (outputs are made beside it; default the first).
+    launches: Launch objects whose pointers name arguments, outputs or
+    scratch. outputs: allocated per call through the caller's kind. scratch:
+    (name, bytes) of working memory, carved from one block (`scratch_pointer`);
+    a launch may also name "control": words that are 0 at its start and that
+    it leaves at 0. copies: arguments copied to fresh contiguous arrays on every
     call (layouts the kernels cannot read in place): a name, or (name, numpy
     dtype) to convert while copying. zeros: outputs filled
     with 0 (column sums of no rows). given_out: (argument, output) when
@@ -163,8 +229,8 @@ class CallPlan:
     return value.
     """
 
-    def __init__(self, kind, device_id: int, names: tuple, launches: tuple, *, outputs=(), scratch=(), copies=(),
-                 zeros=(), given_out=None, spans=None, full_overlap_check=None, scalars=(), result=None):
+    def __init__(self, kind, device_id: int, names: tuple, launches: tuple, *, anchor=None, outputs=(), scratch=(),
+                 copies=(), zeros=(), given_out=None, spans=None, full_overlap_check=None, scalars=(), result=None):
         self.kind, self.device_id, self.names, self.launches = kind, device_id, tuple(names), tuple(launches)
         self.outputs, self.scratch, self.zeros = tuple(outputs), tuple(scratch), tuple(zeros)
         self.given_out, self.full_overlap_check, self.result = given_out, full_overlap_check, result
@@ -173,8 +239,8 @@ class CallPlan:
         self.spans = tuple((self.names.index(k), s) for k, s in (spans or {}).items() if s)
         self.out_at = None if given_out is None else self.names.index(given_out[0])
         self.out_span = dict(self.spans).get(self.out_at, 0)
-        self.make_outputs = kind.allocation([(o.shape, o.dtype, o.offset, None if o.like is None else
-                                              self.names.index(o.like)) for o in self.outputs])
+        self.make_outputs = kind.allocation([(o.shape, o.dtype, o.offset) for o in self.outputs],
+                                            self.names.index(anchor or self.names[0]))
         # Positions of every pointer a launch may name: arguments, outputs, scratch, then the scalars.
         positions = {name: i for i, name in enumerate(self.names)}
         for o in self.outputs:
@@ -185,6 +251,11 @@ class CallPlan:
             self.scratch_starts.append(total)
             total += -(-nbytes // 256) * 256
         self.scratch_bytes = total
+        self.control = any(("ptr", "control") in launch.args for launch in self.launches)
+        if self.scratch_bytes:  # the control words come with the scratch block
+            positions["control"] = len(positions)
+        elif self.control:
+            raise ValueError("a launch names the control words of a plan without scratch")
         for name in scalars:
             positions[name] = len(positions)
         if given_out is not None:
@@ -192,7 +263,6 @@ class CallPlan:
         self.zero_at = tuple(positions[z] - len(self.names) for z in self.zeros)
         for launch in self.launches:
             launch.bind(positions)
-        self.lock = threading.Lock()  # one set of packed slots per launch: fill and launch together
 
     def run(self, objs: tuple, ptrs: list, scalars: tuple = ()):
         """The call: `objs` its array arguments in `names` order (None:
@@ -202,32 +272,31 @@ class CallPlan:
             import cupy
 
             with cupy.cuda.Device(self.device_id):
-                return self._run(objs, ptrs, scalars)
-        return self._run(objs, ptrs, scalars)
-
-    def _run(self, objs: tuple, ptrs: list, scalars: tuple):
+                return self.run(objs, ptrs, scalars)
         if self.out_at is not None:
             self._check_out(objs, ptrs)
-        keep = None  # copies and scratch live until the launches are queued (stream-ordered pools)
+        copies = None  # live until the launches are queued (stream-ordered pools)
         if self.copies:
-            ptrs, keep = list(ptrs), []
+            ptrs, copies = list(ptrs), []
             for i, dtype in self.copies:
                 if objs[i] is not None:
                     copy = self.kind.copy(objs[i], dtype)
-                    keep.append(copy)
+                    copies.append(copy)
                     ptrs[i] = self.kind.describe(copy).ptr
         made, made_ptrs = self.make_outputs(self.device_id, objs)
         for i in self.zero_at:
             self.kind.zero(made[i])
         if self.launches:
             values = ptrs + made_ptrs
-            if self.scratch_bytes:
-                keep, base = self.kind.raw(self.device_id, self.scratch_bytes)
-                values += [base + start for start in self.scratch_starts]
-            if scalars:
-                values += scalars
             stream = self.kind.stream(self.device_id)
-            with self.lock:
+            with _launch_lock:
+                if self.scratch_bytes:
+                    scratch, base, control = scratch_pointer(self.kind, self.device_id, stream, self.scratch_bytes,
+                                                             self.control)
+                    values += [base + start for start in self.scratch_starts]
+                    values.append(control)
+                if scalars:
+                    values += scalars
                 for launch in self.launches:
                     launch(values, stream)
         return self.result(objs, made)

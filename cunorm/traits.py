@@ -84,6 +84,10 @@ class Traits:
       "tensor" (a given scale), "row" or "group" (amax / format max per row or
       per 128 columns, stored beside y); "none" otherwise.
     amax: (forward, fp8 output) also store the largest |y| of the call.
+    last_cta_finalize: (backward) the last CTA to write its partial row sums
+      them all into dgamma/dbeta (one launch, and a ticket word the host
+      keeps at 0), instead of norm_bwd_finalize: for small calls, whose grid
+      the host caps.
     """
 
     hidden_size: int
@@ -117,6 +121,7 @@ class Traits:
     from_output: bool = False
     quant: str = "none"
     amax: bool = False
+    last_cta_finalize: bool = False
 
     KNOBS = KNOBS  # what `traits=` may force and tuning varies
 
@@ -252,8 +257,9 @@ class Traits:
         """{kernel name: (threads per CTA, dynamic shared memory bytes, CTAs per
         cluster)} for the extern "C" kernels of source_file."""
         if self.backward:
-            return {"norm_bwd": (self.threads_per_cta, self.smem_bytes, self.ctas_per_row),
-                    "norm_bwd_finalize": (FINALIZE_WARPS * THREADS_PER_WARP, 0, 1)}
+            main = {"norm_bwd": (self.threads_per_cta, self.smem_bytes, self.ctas_per_row)}
+            return main if self.last_cta_finalize else {
+                **main, "norm_bwd_finalize": (FINALIZE_WARPS * THREADS_PER_WARP, 0, 1)}
         return {"norm_fwd": (self.threads_per_cta, self.smem_bytes, self.ctas_per_row)}
 
     @property
@@ -290,6 +296,8 @@ class Traits:
         rule(not self.per_head or not self.cache_weights, "per-head weights are read per row, not held "
              "(cache_weights must be False)")
         rule(self.backward or not self.from_output, "from_output is a backward flag")
+        rule(not self.last_cta_finalize or (self.backward and (self.has_weight or self.has_bias)),
+             "LAST_CTA_FINALIZE needs column sums (a backward with a weight or a bias)")
         fp8 = self.output_dtype in dtypes.FP8_NAMES and not self.backward
         rule(self.quant in QUANT_MODES, f"QUANT must be one of {', '.join(QUANT_MODES)}")
         rule(fp8 == (self.quant != "none"), "an fp8 output (forward) needs a scaling (quant), and only it has one")
@@ -331,7 +339,8 @@ class Traits:
                                                      ("per-head-weights", self.per_head),
                                                      ("from-output", self.from_output),
                                                      (f"fp8-scaled-per-{self.quant}", self.quant != "none"),
-                                                     ("amax", self.amax)) if on)
+                                                     ("amax", self.amax),
+                                                     ("last-cta-finalize", self.last_cta_finalize)) if on)
         if self.has_residual:  # the residual read and residual_out written: two tensors, a dtype each
             flags += (f" dresidual={self.residual_dtype}" if self.backward else
                       f" residual={self.residual_dtype}->{self.residual_out_dtype}")
@@ -381,6 +390,7 @@ class Traits:
             "FROM_OUTPUT": int(self.from_output),
             "QUANT": QUANT_MODES.index(self.quant),
             "AMAX": int(self.amax),
+            "LAST_CTA_FINALIZE": int(self.last_cta_finalize),
             "LDGS": self.ldgs,
             "THREADS_PER_CTA": self.threads_per_cta,
             "ELTS_PER_THREAD": self.elts_per_thread,

@@ -205,6 +205,12 @@ struct Vec {
 #pragma unroll
     for (int c = 0; c < CHUNKS; ++c) raw[c] = src[c];
   }
+  // As load, through L2 only (ld.cg): for data other CTAs of the grid wrote during this launch.
+  __device__ __forceinline__ void load_cg(const T* row, long long vec) {
+    const chunk_t* src = reinterpret_cast<const chunk_t*>(row + vec * N);
+#pragma unroll
+    for (int c = 0; c < CHUNKS; ++c) raw[c] = __ldcg(src + c);
+  }
   __device__ __forceinline__ void store(T* row, long long vec) const {
     chunk_t* dst = reinterpret_cast<chunk_t*>(row + vec * N);
 #pragma unroll

@@ -1,5 +1,6 @@
 // Row normalization backward: dx, and per-CTA partials (compute_t) of dgamma and
-// dbeta, in one pass over x and dy; norm_bwd_finalize then sums the partials.
+// dbeta, in one pass over x and dy; norm_bwd_finalize then sums the partials
+// (or, LAST_CTA_FINALIZE, the last CTA of the grid does: one launch).
 //
 // With xhat = (x - mean) * rstd (RMSNorm: x * rstd) and g = dy * gamma (or
 // dy * (1 + gamma) for a zero-centered weight):
@@ -9,7 +10,8 @@
 //   dgamma = sum_rows(dy * xhat),  dbeta = sum_rows(dy)
 // The grid is persistent (one wave, rows staged as in norm_fwd.cu): each CTA
 // walks its rows, keeps its column sums (in registers, or in shared memory
-// with SMEM_ACCUMULATORS), and writes one partial row. Nothing is atomic, and
+// with SMEM_ACCUMULATORS), and writes one partial row. No sum is atomic (the
+// one atomic, LAST_CTA_FINALIZE's ticket, only picks the CTA that sums), and
 // every sum runs in a fixed order, so the results are bitwise reproducible.
 #include "cunorm_common.cuh"
 #include "norm_traits.cuh"
@@ -20,6 +22,11 @@ constexpr bool RECOMPUTE = ${RECOMPUTE};  // recompute xhat and g after the redu
 // 1 + gamma; beta only with HAS_BIAS), so the forward's input need not be kept. Inexact where g is near 0.
 #define CN_FROM_OUTPUT ${FROM_OUTPUT}
 constexpr bool FROM_OUTPUT = CN_FROM_OUTPUT;
+// The partial rows summed by the last CTA to write one, instead of by norm_bwd_finalize: one launch for
+// small calls (the host caps their grid, so that the one CTA has few partial rows to read).
+#define CN_LAST_CTA_FINALIZE ${LAST_CTA_FINALIZE}
+constexpr bool LAST_CTA_FINALIZE = CN_LAST_CTA_FINALIZE;
+static_assert(!LAST_CTA_FINALIZE || HAS_WEIGHT || HAS_BIAS, "LAST_CTA_FINALIZE needs column sums");
 using AccVec = Vec<compute_t, ELTS_PER_LDG>;
 // Column-sum slots of a CTA in shared memory: [2 (dgamma, dbeta)][WARPS_M][LDGS][THREADS_PER_ROW]
 // vectors. Used by the accumulators themselves, or (in registers) to fold WARPS_M rows into one.
@@ -123,6 +130,54 @@ __device__ __forceinline__ void fold_slots(const AccVec* slots, compute_t* part,
   }
 }
 
+// LAST_CTA_FINALIZE: each CTA takes a ticket once its partial row is written;
+// the CTA with the last ticket sums every partial row, column by column in
+// partial-row order (a fixed order, whichever CTA is last), reading through
+// L2 (ld.cg: the other CTAs' writes are there, not in this SM's L1), and puts
+// the ticket back to 0 for the next launch on its stream. A thread sums
+// LAST_VEC neighbouring columns with 16-byte loads, several partial rows in
+// flight (one CTA reads them all: latency, not bandwidth, bounds it). PER_HEAD:
+// partial row p belongs to head p % heads, as in norm_bwd_finalize.
+constexpr int LAST_VEC = COLS % (16 / int(sizeof(compute_t))) == 0 ? 16 / int(sizeof(compute_t)) : 1;
+__device__ __forceinline__ void finalize_if_last(unsigned* ticket, int parts, long long heads,
+                                                 const compute_t* gpart, const compute_t* bpart,
+                                                 weight_t* dgamma, bias_t* dbeta) {
+  using SumVec = Vec<compute_t, LAST_VEC>;
+  __shared__ bool last;
+  __threadfence();  // this thread's partial sums, device-visible before the ticket
+  __syncthreads();
+  if (threadIdx.x == 0) last = atomicAdd(ticket, 1u) == gridDim.x - 1;
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  constexpr int ROW_VECS = COLS / LAST_VEC;
+  const long long outputs = heads * ROW_VECS;  // in vectors of LAST_VEC columns
+  for (long long j = threadIdx.x; j < outputs; j += THREADS_PER_CTA) {
+    const long long head = PER_HEAD ? j / ROW_VECS : 0;
+    const long long v = PER_HEAD ? j % ROW_VECS : j;
+    SumVec g, b;
+    g.zero();
+    b.zero();
+#pragma unroll 8
+    for (long long p = head; p < parts; p += heads) {
+      SumVec pg, pb;
+      if (HAS_WEIGHT) pg.load_cg(gpart + p * COLS, v);
+      if (HAS_BIAS) pb.load_cg(bpart + p * COLS, v);
+#pragma unroll
+      for (int e = 0; e < LAST_VEC; ++e) {
+        if (HAS_WEIGHT) g.add(e, pg.get(e));
+        if (HAS_BIAS) b.add(e, pb.get(e));
+      }
+    }
+#pragma unroll
+    for (int e = 0; e < LAST_VEC; ++e) {
+      if (HAS_WEIGHT) dgamma[j * LAST_VEC + e] = from_float<weight_t>(g.get(e));
+      if (HAS_BIAS) dbeta[j * LAST_VEC + e] = from_float<bias_t>(b.get(e));
+    }
+  }
+  if (threadIdx.x == 0) *ticket = 0u;
+}
+
 // Row tensors (dy, x, dresidual, dx) may alias one another (in place) and so
 // are not __restrict__.
 extern "C" __global__ void __launch_bounds__(THREADS_PER_CTA, MIN_CTAS_PER_SM) CN_CLUSTER_DIMS
@@ -136,6 +191,9 @@ norm_bwd(const output_t* dy, const input_t* x, const residual_t* dresidual,
 #endif
 #if CN_FROM_OUTPUT
          , const bias_t* __restrict__ beta, long long beta_stride, long long beta_head_stride
+#endif
+#if CN_LAST_CTA_FINALIZE
+         , unsigned* ticket, int parts, weight_t* __restrict__ dgamma, bias_t* __restrict__ dbeta
 #endif
 ) {
 #if !CN_PER_HEAD
@@ -271,8 +329,12 @@ norm_bwd(const output_t* dy, const input_t* x, const residual_t* dresidual,
     }
   }
   finish_cluster();
+#if CN_LAST_CTA_FINALIZE
+  finalize_if_last(ticket, parts, heads, dgamma_part, dbeta_part, dgamma, dbeta);
+#endif
 }
 
+#if !CN_LAST_CTA_FINALIZE  // (the last CTA of norm_bwd sums the partials instead)
 // Sums the [parts, COLS] partials column by column into dgamma (weight dtype)
 // and dbeta (bias dtype). A CTA owns 32 * FIN_VEC columns (each lane FIN_VEC
 // neighbours, one vector load per partial row); its warps take interleaved
@@ -335,3 +397,4 @@ norm_bwd_finalize(const compute_t* __restrict__ dgamma_part, const compute_t* __
     }
   }
 }
+#endif  // !CN_LAST_CTA_FINALIZE

@@ -193,7 +193,7 @@ class _FakeKind:
         return _FakeGpuArray(np.array(f.a, copy=True))
 
     @staticmethod
-    def allocation(specs):
+    def allocation(specs, anchor):
         return lambda device_id, objs: ([], [])
 
 

@@ -304,3 +304,86 @@ def _spilling_entry_falls_back(zero_centered, rng):
         assert t != tuned and t == dispatch.choose(arch=90, tuned=False, **call)[0]
     assert all(k.local_bytes == 0 for k in kernels.values())
     _assert_ok(check.run_case(case, rng))
+
+
+@pytest.mark.parametrize("n, dtype, per_head", [(4096, "bfloat16", False), (1000, "float32", False),
+                                                 (4097, "float16", False), (768, "float64", False),
+                                                 (128, "bfloat16", True)])
+def test_small_backwards_are_one_launch(n, dtype, per_head, rng, launches):
+    """A backward of few rows sums its partial rows in its last CTA (one
+    launch, the finalize kernel's work included), a larger one keeps the
+    finalize kernel; both against the float64 reference, the one-launch one
+    bitwise equal call after call, and the ticket word is back at 0 after
+    every call (the next call on the stream starts from it)."""
+    import cupy
+
+    from cunorm import kinds, launch
+    from cunorm.norm import plans
+
+    heads = 4 if per_head else 1
+    for rows, launched in ((37, 1), (plans.FUSE_ROW_ELEMENTS // n + heads, 2)):
+        rows -= rows % heads
+        shape = (rows // heads, heads, n) if per_head else (rows, n)
+        x = cupy.asarray((rng.standard_normal(shape) + 1.0).astype(dtypes.numpy_dtype(dtype)))
+        dy = cupy.asarray(rng.standard_normal(shape).astype(dtypes.numpy_dtype(dtype)))
+        w = cupy.asarray(rng.standard_normal(shape[-2:] if per_head else (n,)).astype(np.float32))
+        _, mean, rstd = cunorm.layer_norm(x, w, return_stats=True)
+        del launches[:]
+        with check.poisoned_allocations():
+            first = cunorm.layer_norm_backward(dy, x, mean, rstd, w)
+        assert len(launches) == launched
+        want = cunorm.reference.layer_norm_backward(dy, x, mean, rstd, w)
+        for got, ref in zip(first, want):
+            assert check.rel_l2(got, ref) < check.tolerance(dtypes.name_of(got.dtype), dtype)
+        for _ in range(3):
+            again = cunorm.layer_norm_backward(dy, x, mean, rstd, w)
+            for a, b in zip(again, first):
+                assert bool((a.view(np.uint8) == b.view(np.uint8)).all())
+        if launched == 1:  # its ticket, in this stream's block
+            stream = cupy.cuda.get_current_stream().ptr
+            control = launch._arenas[(kinds.CupyKind, x.device.id, stream)][1]
+            memory = cupy.cuda.UnownedMemory(control, 4, x)
+            ticket = cupy.ndarray((1,), np.uint32, cupy.cuda.MemoryPointer(memory, 0))
+            assert int(ticket[0]) == 0
+
+
+def test_per_thread_default_stream_takes_fresh_scratch(rng):
+    """CuPy's per-thread default stream is one handle for a stream per
+    thread: calls on it take working memory of their own (never a block
+    shared by threads whose kernels run at once), and give, from four threads
+    at once, what one call on the legacy stream gives, bit for bit."""
+    import threading
+
+    import cupy
+
+    from cunorm import launch
+
+    case = check.Case("layer_norm", 1024, 37, "float32", "float32")
+    x, w, _, _ = check._inputs(case, rng)
+    dy = cupy.asarray(rng.standard_normal(x.shape).astype(np.float32))
+    _, mean, rstd = cunorm.layer_norm(x, w, return_stats=True)
+    want = cunorm.layer_norm_backward(dy, x, mean, rstd, w)
+    cupy.cuda.Device().synchronize()
+    results, errors = [None] * 4, []
+
+    def work(i):
+        try:
+            with cupy.cuda.Stream.ptds:
+                for _ in range(50):
+                    r = cunorm.layer_norm_backward(dy, x, mean, rstd, w)
+                cupy.cuda.Stream.ptds.synchronize()
+            results[i] = r
+        except Exception as e:  # reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    for r in results:
+        for a, b in zip(r, want):
+            assert bool((a.view(np.uint8) == b.view(np.uint8)).all())
+    assert cupy.cuda.Stream.ptds.ptr == launch.PER_THREAD_STREAM
+    assert not any(stream == launch.PER_THREAD_STREAM for _, _, stream in launch._arenas)

@@ -177,3 +177,72 @@ def test_fp8_outputs_are_torch_float8_tensors(rng):
 
     bits = cunorm.rms_norm(cupy.from_dlpack(x), cupy.from_dlpack(w), out_dtype="float8_e4m3fn", scaling="row")[0]
     assert bits.dtype == cupy.uint8 and bool((bits == cupy.from_dlpack(q.view(torch.uint8))).all())
+
+
+def test_scratch_is_reused_per_stream_and_never_by_a_graph(rng):
+    """The backward's working memory is one block per stream, reused call
+    after call: two streams interleaved give, bit for bit, what one call at
+    a time gives. A CUDA graph captures fresh memory of its own, so a replay
+    stays right after eager calls on its stream have grown (and freed) that
+    stream's block."""
+    from cunorm import launch, kinds
+
+    launch._arenas.clear()
+    n = 4096
+    w = _tensor(n, torch.bfloat16, rng)
+    xs = [_tensor((16, n), torch.bfloat16, rng, offset=1.0) for _ in range(2)]
+    dys = [_tensor((16, n), torch.bfloat16, rng) for _ in range(2)]
+    stats = [cunorm.layer_norm(x, w, return_stats=True)[1:] for x in xs]
+    alone = [cunorm.layer_norm_backward(dy, x, m, r, w) for dy, x, (m, r) in zip(dys, xs, stats)]
+    torch.cuda.synchronize()
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    for s in streams:
+        s.wait_stream(torch.cuda.current_stream())
+    got = [[], []]
+    for _ in range(10):
+        for i, s in enumerate(streams):
+            with torch.cuda.stream(s):
+                got[i].append(cunorm.layer_norm_backward(dys[i], xs[i], *stats[i], w))
+    torch.cuda.synchronize()
+    for i in range(2):
+        for result in got[i]:
+            for a, b in zip(result, alone[i]):
+                assert torch.equal(a, b)
+    assert {(kinds.TorchKind, 0, s.cuda_stream) for s in streams} <= set(launch._arenas)
+
+    s = streams[0]
+    g = torch.cuda.CUDAGraph()
+    before = dict(launch._arenas)
+    with torch.cuda.graph(g, stream=s):
+        captured = cunorm.layer_norm_backward(dys[0], xs[0], *stats[0], w)
+    assert launch._arenas == before  # the capture took memory of its own
+    # A call with more scratch than s's block holds (a two-launch backward under ARENA_BYTES): the block is
+    # replaced, and the old one freed, before the replay.
+    wide = _tensor((600, 1024), torch.bfloat16, rng)
+    ones = torch.ones(1024, device="cuda")
+    wm, wr = cunorm.layer_norm(wide, return_stats=True)[1:]
+    key, _ = plan.call_key((wide, wide, wm, wr, ones, None, None, None), (2, True, None, False, True, None, None))
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            cunorm.layer_norm_backward(wide, wide, wm, wr, ones)
+        g.replay()
+    s.synchronize()
+    block = before[(kinds.TorchKind, 0, s.cuda_stream)][2]
+    assert block < plan.CALLS[key].scratch_bytes <= launch.ARENA_BYTES  # the case this test is about
+    assert launch._arenas[(kinds.TorchKind, 0, s.cuda_stream)][2] > block
+    for a, b in zip(captured, alone[0]):
+        assert torch.equal(a, b)
+
+
+def test_outputs_are_made_beside_the_argument_of_the_calls_kind(rng):
+    """dy as a CuPy array beside torch x: the call is torch's (x's kind), and
+    its outputs are torch tensors on x's device, offset outputs included."""
+    x = _tensor((5, 4097), torch.float16, rng)[:, 1:]  # general rows: dx sits at x's offset
+    y, mean, rstd = cunorm.layer_norm(x, return_stats=True)
+    dy = _tensor((5, 4096), torch.float16, rng)
+    for _ in range(2):  # the first call plans, the second hits
+        dx, dw, db = cunorm.layer_norm_backward(_cp(dy), x, mean, rstd)
+        assert isinstance(dx, torch.Tensor) and dx.dtype == torch.float16 and dx.shape == x.shape
+        assert dw is None and isinstance(db, torch.Tensor) and db.dtype == torch.float32  # no weight: fp32 dbias
+        want = cunorm.reference.layer_norm_backward(_cp(dy), _cp(x), _cp(mean), _cp(rstd))
+        assert check.rel_l2(_cp(dx), want[0]) < 1e-3 and check.rel_l2(_cp(db), want[2]) < 1e-5

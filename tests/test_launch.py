@@ -48,7 +48,7 @@ def test_call_plan_binds_outputs_scratch_and_scalars(launched):
     out= stands for its output."""
     class Kind:
         @staticmethod
-        def allocation(specs):
+        def allocation(specs, anchor):
             return lambda device_id, objs: ([f"out{i}" for i in range(len(specs))], [1000 + i for i in range(len(specs))])
 
         @staticmethod
@@ -71,8 +71,43 @@ def test_call_plan_binds_outputs_scratch_and_scalars(launched):
     finally:
         launch._current_device = monkey_device
     s = np.frombuffer(k.slots, np.uint64)
-    assert list(s[:5]) == [10, 0, 1000, 5000, 5256]
+    first = 5000 + launch.CONTROL_BYTES  # a fresh block (the stream is no CUDA stream here): control words first
+    assert list(s[:5]) == [10, 0, 1000, first, first + 256]
     assert s.view(np.float32)[10] == 1.0
+
+
+def test_scratch_arena_per_stream(monkeypatch):
+    """Working memory comes from one block per (kind, device, stream), made
+    (with its control words zeroed, once) on first use and grown when a call
+    needs more; blocks above ARENA_BYTES, and any while the stream captures a
+    graph, are fresh (their control words zeroed on the stream when asked)."""
+    made, cleared = [], []
+
+    class Kind:
+        @staticmethod
+        def raw(device_id, nbytes):
+            made.append(nbytes)
+            return f"block{len(made)}", 1000 * len(made)
+
+    capturing = {7: False, 8: False, 9: True, launch.PER_THREAD_STREAM: False}
+    monkeypatch.setattr(launch, "_capturing", lambda stream: capturing[stream])
+    monkeypatch.setattr(launch, "_memset", lambda ptr, value, size, stream: cleared.append((ptr, size, stream)))
+    monkeypatch.setattr(launch, "_arenas", {})
+    c = launch.CONTROL_BYTES
+    assert launch.scratch_pointer(Kind, 0, 7, 100, False) == ("block1", 1000 + c, 1000)
+    assert launch.scratch_pointer(Kind, 0, 7, 5000, True) == ("block1", 1000 + c, 1000)  # reused: no clearing
+    assert launch.scratch_pointer(Kind, 0, 8, 100, True) == ("block2", 2000 + c, 2000)  # another stream
+    assert launch.scratch_pointer(Kind, 0, 7, 100 << 10, True) == ("block3", 3000 + c, 3000)  # grown
+    assert made == [c + (64 << 10), c + (64 << 10), c + (100 << 10)]
+    assert cleared == [(1000, c, 7), (2000, c, 8), (3000, c, 7)]
+    monkeypatch.setattr(launch, "_graph_blocks", [])
+    assert launch.scratch_pointer(Kind, 0, 9, 100, True) == ("block4", 4000 + c, 4000)  # capturing: fresh, kept
+    assert launch._graph_blocks == ["block4"]
+    assert launch.scratch_pointer(Kind, 0, 7, launch.ARENA_BYTES + 1, False) == ("block5", 5000 + c, 5000)
+    # The per-thread default stream is one handle for a stream per thread: no arena.
+    assert launch.scratch_pointer(Kind, 0, launch.PER_THREAD_STREAM, 100, True) == ("block6", 6000 + c, 6000)
+    assert cleared[-2:] == [(4000, c, 9), (6000, c, launch.PER_THREAD_STREAM)] and len(cleared) == 5
+    assert len(launch._arenas) == 2 and launch._graph_blocks == ["block4"]
 
 
 def test_a_row_axes_parameter_takes_four_slots(launched):

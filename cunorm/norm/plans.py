@@ -5,6 +5,7 @@ key reuses."""
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -51,14 +52,14 @@ class Prepared:
     def resolve(self, traits, device_id: int, source: str | None = None):
         return plan.resolve(Family, traits, self.base, device_id, source)
 
-    def grid_groups(self, kernel, t: Traits) -> int:
-        """Row groups of a persistent grid: one wave of CTAs, each walking many
-        rows; a multiple of the shift period (general kernel), so that every
-        row of a thread sits at the same offset from a vector boundary, and
-        (backward with weights per head) of the heads, so that every row of a
-        warp row has the same head."""
+    def grid_groups(self, kernel, t: Traits, most: int | None = None) -> int:
+        """Row groups of a persistent grid: one wave of CTAs (at most `most`
+        groups), each walking many rows; a multiple of the shift period
+        (general kernel), so that every row of a thread sits at the same
+        offset from a vector boundary, and (backward with weights per head) of
+        the heads, so that every row of a warp row has the same head."""
         groups = -(-self.row_count // t.rows_per_cta)
-        groups = min(groups, kernel.resident_clusters)  # a row group is one cluster (of CTAS_PER_ROW CTAs)
+        groups = min(groups, kernel.resident_clusters, most or groups)  # a group is one cluster (CTAS_PER_ROW CTAs)
         x = self.rows["x"]
         period = 1 if t.aligned_rows else layout.shift_period(x.ld, x.rows, t.elts_per_ldg)
         if t.per_head and t.backward:
@@ -66,6 +67,32 @@ class Prepared:
         step = period // math.gcd(period, t.rows_per_cta)
         # Down to whole periods (CTAs left over would run as a second wave, doubling the time), or up to one.
         return max(step, groups // step * step)
+
+
+# A backward small enough to be bound by its launches sums its partial rows in its last CTA (one launch;
+# `Traits.last_cta_finalize`): at most FUSE_ROW_ELEMENTS elements, one CTA per row, on a grid capped so that
+# the last CTA reads at most FUSE_PART_ELEMENTS partial sums of each quantity. Larger calls keep
+# norm_bwd_finalize, whose many CTAs pay for its launch.
+FUSE_ROW_ELEMENTS = 1 << 19
+FUSE_PART_ELEMENTS = 1 << 17
+
+
+def one_launch(t: Traits, row_count: int) -> bool:
+    """Whether a backward of `row_count` rows with traits `t` sums its partial rows in its last CTA."""
+    return (t.backward and (t.has_weight or t.has_bias) and not t.uses_cluster
+            and row_count * t.hidden_size <= FUSE_ROW_ELEMENTS)
+
+
+def _last_cta_finalize(p: Prepared, t: Traits, device_id: int, source: str | None) -> tuple:
+    """(traits, kernels) of the one-launch backward of this call, or (None, None) where it keeps the
+    finalize kernel: large calls, clusters, an edited kernel file, a variant that spills."""
+    if source is not None or not one_launch(t, p.row_count):
+        return None, None
+    fused = t.replace(last_cta_finalize=True)
+    kernels = plan.kernels_for(fused, device_id)
+    if kernels["norm_bwd"].local_bytes:
+        return None, None
+    return fused, kernels
 
 
 # The per-call scalars of a forward call: eps as float32 bits and as float64 bits (`norm.eps_scalars`); a
@@ -200,6 +227,9 @@ def _picker(picks: list):
     if len(picks) == 1:
         src, i = picks[0]
         return (lambda objs, made: made[i]) if src == "made" else (lambda objs, made: objs[i])
+    if all(src == "made" for src, _ in picks):  # the common case, at C speed
+        get = operator.itemgetter(*(i for _, i in picks))
+        return lambda objs, made: get(made)
 
     def result(objs, made):
         return tuple(None if src is None else made[i] if src == "made" else objs[i] for src, i in picks)
@@ -217,12 +247,9 @@ def forward_plan(args: dict, base: dict, traits, rms: bool, return_stats: bool, 
     shape, lead = tuple(x.shape), tuple(x.shape[:-1])
     y_row = p.rows["y" if O is None else "out"]
     outputs, picks = [], []
-    # A fresh output of x's dtype beside a C-contiguous x may be allocated like x.
-    like_x = "x" if x.c_contiguous and not p.rows["x"].copied else None
     if O is None:
         picks.append(("made", len(outputs)))
-        y_dtype = dtypes.numpy_dtype(base["output_dtype"])
-        outputs.append(Output("y", shape, y_dtype, y_row.offset, like_x if y_dtype == x.dtype else None))
+        outputs.append(Output("y", shape, dtypes.numpy_dtype(base["output_dtype"]), y_row.offset))
     else:
         picks.append(("arg", FORWARD.arrays.index("out")))
     if R is not None:
@@ -271,8 +298,7 @@ def backward_plan(args: dict, base: dict, traits, rms: bool, source: str | None 
     outputs, picks = [], []
     if O is None:
         picks.append(("made", 0))
-        like_x = "x" if x.c_contiguous and not p.rows["x"].copied else None
-        outputs.append(Output("dx", tuple(x.shape), x.dtype, dx_row.offset, like_x))
+        outputs.append(Output("dx", tuple(x.shape), x.dtype, dx_row.offset))
     else:
         picks.append(("arg", BACKWARD.arrays.index("out")))
     # RMSNorm returns (dx, dweight), and dbias only when it had a bias; LayerNorm always (dx, dweight, dbias).
@@ -296,9 +322,13 @@ def backward_plan(args: dict, base: dict, traits, rms: bool, source: str | None 
     launches, scratch, zeros = [], [], []
     sums = t.has_weight or t.has_bias
     if p.row_count:
+        fused, fused_kernels = _last_cta_finalize(p, t, device, source)
+        if fused is not None:
+            t, kernels = fused, fused_kernels
         k = kernels["norm_bwd"]
-        groups = p.grid_groups(k, t)
-        parts = groups * t.rows_per_cta if t.per_head else groups  # partial rows: per warp row, or per CTA
+        rows_per_part = t.rows_per_cta if t.per_head else 1  # partial rows: per warp row, or per CTA
+        groups = p.grid_groups(k, t, max(1, FUSE_PART_ELEMENTS // (n * rows_per_part)) if fused else None)
+        parts = groups * rows_per_part
         if sums:  # column sums, one [parts, N] compute_t block each for dgamma and dbeta
             part_bytes = dtypes.itemsize(t.compute_dtype) * parts * n
             scratch += [("dgamma_part", part_bytes), ("dbeta_part", part_bytes)]
@@ -307,15 +337,16 @@ def backward_plan(args: dict, base: dict, traits, rms: bool, source: str | None 
             ("ptr", "dx"), ("ptr", "dgamma_part"), ("ptr", "dbeta_part"), ("i64", p.row_count),
             _ld(p.rows["x"], t), _ld(p.rows["dy"], t), _ld(p.rows["dresidual"], t), _ld(dx_row, t),
             ("i64", w_stride)] + ([("i64", p.heads), ("i64", w_heads)] if t.per_head else [])
-            + ([("ptr", "bias"), ("i64", b_stride), ("i64", b_heads)] if t.from_output else [])))
-        if sums:
+            + ([("ptr", "bias"), ("i64", b_stride), ("i64", b_heads)] if t.from_output else [])
+            + ([("ptr", "control"), ("i32", parts), ("ptr", "dweight"), ("ptr", "dbias")] if fused else [])))
+        if sums and fused is None:
             fin = kernels["norm_bwd_finalize"]
             launches.append(Launch(fin, -(-n // t.finalize_cols_per_cta) * p.heads, [
                 ("ptr", "dgamma_part"), ("ptr", "dbeta_part"), ("i32", parts), ("ptr", "dweight"),
                 ("ptr", "dbias")] + ([("i32", p.heads)] if t.per_head else [])))
     else:  # no rows: empty dx, and the column sums of nothing are zero
         zeros = [o.name for o in outputs if o.name in ("dweight", "dbias")]
-    return CallPlan(x.kind, device, BACKWARD.arrays, tuple(launches), outputs=outputs, scratch=scratch,
+    return CallPlan(x.kind, device, BACKWARD.arrays, tuple(launches), anchor="x", outputs=outputs, scratch=scratch,
                     copies=copies, zeros=zeros, given_out=None if O is None else ("out", "dx"),
                     spans=_spans(BACKWARD, args), full_overlap_check=_overlap_check(BACKWARD, p.n),
                     result=_picker(picks)), p

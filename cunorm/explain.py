@@ -80,14 +80,15 @@ def explain(op, *args, arch: int | str | None = None, **kwargs) -> Explanation:
     a = dict(bound.arguments)
     traits, source = a.pop("traits"), a.pop("source")
     if backward:
-        call_args, on_gpu, base = calls.backward_args(rms, a["dy"], a["x"], a.get("mean"), a["rstd"], a["weight"],
-                                                      a.get("has_bias", False), a.get("bias_dtype"),
-                                                      a["dresidual"], a["zero_centered_weight"], a["out"],
-                                                      a["y"], a["bias"])
+        call_args, on_gpu, base, _, _ = calls.backward_args(
+            rms, a["dy"], a["x"], a.get("mean"), a["rstd"], a["weight"], a.get("has_bias", False),
+            a.get("bias_dtype"), a["dresidual"], a["zero_centered_weight"], a["out"], a["y"], a["bias"],
+            a["dropout_p"], a["seed"], a["rowscale"], a["dx0_dtype"])
     else:
-        call_args, on_gpu, base, _ = calls.forward_args(rms, a["x"], a["weight"], a.get("bias"), a["eps"],
-                                                        a["residual"], a["residual_dtype"],
-                                                        a["zero_centered_weight"], a["out_dtype"], a["out"])
+        call_args, on_gpu, base, _, _ = calls.forward_args(
+            rms, a["x"], a["weight"], a.get("bias"), a["eps"], a["residual"], a["residual_dtype"],
+            a["zero_centered_weight"], a["out_dtype"], a["out"], a["scale"], a["scaling"], a["return_amax"],
+            a["dropout_p"], a["seed"], a["rowscale"], a["return_dropout_mask"])
     prepare = plans.backward_prepare if backward else plans.forward_prepare
     reasons = []
     if on_gpu:

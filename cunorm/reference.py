@@ -158,6 +158,67 @@ def quantize_fp8(y, fmt: str, scaling: str, scale=None):
     return q, scales, np.asarray(amax, dtype=np.float32)
 
 
+# Dropout masks: Philox4x32-10 (Salmon et al., SC'11), counter-based, so a backward regenerates the forward's
+# mask from the seed instead of storing it. Element i of a tensor (flat index in C order over its logical
+# shape, whatever its layout) takes word i % 4 of Philox(counter = (i // 4 as two 32-bit halves, 0, 0),
+# key = (the seed's two 32-bit halves)), and is kept when that word is >= floor(p * 2^32).
+_PHILOX_M = (0xD2511F53, 0xCD9E8D57)
+_PHILOX_W = (0x9E3779B9, 0xBB67AE85)
+
+
+def philox4x32(counter, key, rounds: int = 10):
+    """Philox4x32 over arrays: counter a (..., 4) and key a (..., 2) array of
+    uint32 words (broadcast); returns the (..., 4) uint32 output."""
+    c = np.asarray(counter, dtype=np.uint64) & 0xFFFFFFFF
+    k = np.asarray(key, dtype=np.uint64) & 0xFFFFFFFF
+    c0, c1, c2, c3 = (c[..., j] for j in range(4))
+    k0, k1 = k[..., 0], k[..., 1]
+    for r in range(rounds):
+        if r:
+            k0, k1 = (k0 + _PHILOX_W[0]) & 0xFFFFFFFF, (k1 + _PHILOX_W[1]) & 0xFFFFFFFF
+        p0, p1 = c0 * _PHILOX_M[0], c2 * _PHILOX_M[1]  # 32 x 32 -> 64 bits: exact in uint64
+        c0, c1, c2, c3 = (p1 >> 32) ^ c1 ^ k0, p1 & 0xFFFFFFFF, (p0 >> 32) ^ c3 ^ k1, p0 & 0xFFFFFFFF
+    return np.stack([c0, c1, c2, c3], axis=-1).astype(np.uint32)
+
+
+def dropout_keep(shape: tuple, p: float, seed: int):
+    """The keep mask (bool, `shape`) of dropout with probability p and `seed`,
+    as the kernels draw it (see the Philox note above)."""
+    size = int(np.prod(shape, dtype=np.int64))
+    blocks = np.arange((size + 3) // 4, dtype=np.uint64)
+    counter = np.stack([blocks & 0xFFFFFFFF, blocks >> 32, np.zeros_like(blocks), np.zeros_like(blocks)], axis=-1)
+    seed = int(seed) & (2**64 - 1)
+    words = philox4x32(counter, np.array([seed & 0xFFFFFFFF, seed >> 32], dtype=np.uint64)).reshape(-1)[:size]
+    return (words >= np.uint32(dropout_threshold(p))).reshape(shape)
+
+
+def dropout_threshold(p: float) -> int:
+    """The 32-bit word below which an element is dropped: floor(p * 2^32)."""
+    return min(int(float(p) * 2**32), 2**32 - 1)
+
+
+def branch_input(x, *, dropout_p: float = 0.0, seed: int | None = None, rowscale=None):
+    """(x0 * rowscale * keep / (1 - p), keep) in float64: the branch summed with
+    the residual before the norm (keep None without dropout). rowscale has
+    shape x.shape[:-1]."""
+    h = _f64(x)
+    if rowscale is not None:
+        h = h * _f64(rowscale)[..., None]
+    keep = None
+    if dropout_p:
+        keep = dropout_keep(h.shape, dropout_p, seed)
+        h = np.where(keep, h / (1.0 - dropout_p), 0.0)
+    return h, keep
+
+
+def branch_grad(dh, keep, dropout_p: float = 0.0, rowscale=None):
+    """The gradient of the branch input x0 from that of h: dh * keep / (1 - p) * rowscale, float64."""
+    g = _f64(dh)
+    if keep is not None:
+        g = np.where(keep, g / (1.0 - dropout_p), 0.0)
+    return g * _f64(rowscale)[..., None] if rowscale is not None else g
+
+
 def attention_delta(out, grad_out):
     """D = rowsum(out * grad_out) over the last axis, float64."""
     return (_f64(out) * _f64(grad_out)).sum(axis=-1)

@@ -387,3 +387,20 @@ def test_per_thread_default_stream_takes_fresh_scratch(rng):
             assert bool((a.view(np.uint8) == b.view(np.uint8)).all())
     assert cupy.cuda.Stream.ptds.ptr == launch.PER_THREAD_STREAM
     assert not any(stream == launch.PER_THREAD_STREAM for _, _, stream in launch._arenas)
+
+
+def test_branch_calls_are_refused_on_the_gpu_even_after_a_cached_call(rng):
+    """dropout_p and rowscale run on the numpy path only so far: a GPU call
+    with them is refused naming the argument, also right after the same
+    arrays were planned and cached without them."""
+    import cupy
+
+    x = cupy.asarray(rng.standard_normal((8, 256)).astype(np.float32))
+    y, rstd = cunorm.rms_norm(x, return_stats=True)
+    cunorm.rms_norm(x)  # a cache hit
+    with pytest.raises(NotImplementedError, match="dropout_p: the GPU kernels"):
+        cunorm.rms_norm(x, dropout_p=0.1, seed=1)
+    with pytest.raises(NotImplementedError, match="rowscale: the GPU kernels"):
+        cunorm.layer_norm(x, rowscale=cupy.ones(8, np.float32))
+    with pytest.raises(NotImplementedError, match="dropout_p: the GPU kernels"):
+        cunorm.rms_norm_backward(x, x, rstd, dropout_p=0.5, seed=2)

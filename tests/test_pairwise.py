@@ -47,9 +47,9 @@ def test_residual_and_residual_out_dtypes_are_two_fields():
     x = np.ones((2, 64), dtype=dtypes.BFLOAT16)
     r = np.ones((2, 64), dtype=dtypes.BFLOAT16)
     w = np.ones(64, dtype=np.float32)
-    _, _, base, _ = norm.calls.forward_args(True, x, w, None, 1e-6, r, np.float32, False, None, None)
+    _, _, base, _, _ = norm.calls.forward_args(True, x, w, None, 1e-6, r, np.float32, False, None, None)
     assert base["residual_dtype"] == "bfloat16" and base["residual_out_dtype"] == "float32"
-    _, _, base, _ = norm.calls.forward_args(True, x, w, None, 1e-6, r, None, False, None, None)
+    _, _, base, _, _ = norm.calls.forward_args(True, x, w, None, 1e-6, r, None, False, None, None)
     assert base["residual_dtype"] == base["residual_out_dtype"] == "bfloat16"
     case = check.Case("rms_norm", 1024, 32, "bfloat16", "float32", has_bias=False, residual_dtype="bfloat16",
                       residual_out_dtype="float32")

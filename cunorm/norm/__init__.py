@@ -40,6 +40,13 @@ def _eps_bits(eps) -> tuple:
     return bits
 
 
+def _branch(dropout_p, seed, rowscale, return_mask):
+    """The branch arguments of a call, or None where none is given (the cached path)."""
+    if dropout_p or seed is not None or rowscale is not None or return_mask:
+        return dropout_p, seed, rowscale, return_mask
+    return None
+
+
 # Each public op first tries its cached plan (`plan.call_key`: the flags,
 # then each array's layout); a miss goes through `_forward` / `_backward`.
 
@@ -56,8 +63,13 @@ def _check_as_on_gpu(prepare, args: dict, base: dict, traits, source=None):
 
 
 def _forward_call(rms, x, weight, bias, eps, residual, residual_dtype, zero_centered_weight, return_stats,
-                  out_dtype, out, traits, source, scale=None, scaling=None, return_amax=False):
-    """A forward call: its cached plan, or `_forward`. (Positional arguments: the hit path is counted in µs.)"""
+                  out_dtype, out, traits, source, scale=None, scaling=None, return_amax=False, branch=None):
+    """A forward call: its cached plan, or `_forward`. (Positional arguments: the hit path is counted in µs.)
+    `branch`: (dropout_p, seed, rowscale, return_dropout_mask) where any is given; such calls are not cached
+    (the numpy path alone runs them so far)."""
+    if branch is not None:
+        return _forward(rms, None, None, x, weight, bias, eps, residual, residual_dtype, zero_centered_weight,
+                        return_stats, out_dtype, out, traits, source, scale, scaling, return_amax, branch)
     values = (x, weight, bias, residual, out, scale)
     key, ptrs = _call_key(values, (rms, residual_dtype, zero_centered_weight, return_stats, out_dtype, scaling,
                                    return_amax, source, traits))
@@ -73,12 +85,13 @@ def _forward_call(rms, x, weight, bias, eps, residual, residual_dtype, zero_cent
 
 
 def _forward(rms, key, ptrs, x, weight, bias, eps, residual, residual_dtype, zero_centered_weight, return_stats,
-             out_dtype, out, traits, source, scale=None, scaling=None, return_amax=False):
-    args, on_gpu, base, eps = calls.forward_args(rms, x, weight, bias, eps, residual, residual_dtype,
-                                                 zero_centered_weight, out_dtype, out, scale, scaling, return_amax)
+             out_dtype, out, traits, source, scale=None, scaling=None, return_amax=False, branch=None):
+    args, on_gpu, base, eps, branch = calls.forward_args(rms, x, weight, bias, eps, residual, residual_dtype,
+                                                         zero_centered_weight, out_dtype, out, scale, scaling,
+                                                         return_amax, *(branch or ()))
     if not on_gpu:
         _check_as_on_gpu(plans.forward_prepare, args, base, traits, source)
-        return cpu.forward(args, base, eps, rms, return_stats)
+        return cpu.forward(args, base, eps, rms, return_stats, branch)
     with plan.on_device(args["x"].array.device_id):
         call, _ = plans.forward_plan(args, base, traits, rms, bool(return_stats), source)
     plan.remember(key, call)
@@ -86,12 +99,13 @@ def _forward(rms, key, ptrs, x, weight, bias, eps, residual, residual_dtype, zer
 
 
 def _backward(rms, key, dy, x, mean, rstd, weight, has_bias, bias_dtype, dresidual, zero_centered_weight, out,
-              traits, source, y=None, bias=None):
-    args, on_gpu, base = calls.backward_args(rms, dy, x, mean, rstd, weight, has_bias, bias_dtype, dresidual,
-                                             zero_centered_weight, out, y, bias)
+              traits, source, y=None, bias=None, branch=None):
+    args, on_gpu, base, branch, dx0_dtype = calls.backward_args(rms, dy, x, mean, rstd, weight, has_bias, bias_dtype,
+                                                                dresidual, zero_centered_weight, out, y, bias,
+                                                                *(branch or ()))
     if not on_gpu:
         _check_as_on_gpu(plans.backward_prepare, args, base, traits, source)
-        return cpu.backward(args, base, rms)
+        return cpu.backward(args, base, rms, branch, dx0_dtype)
     with plan.on_device(args["x"].array.device_id):
         call, _ = plans.backward_plan(args, base, traits, rms, source)
     plan.remember(key, call)
@@ -100,7 +114,8 @@ def _backward(rms, key, dy, x, mean, rstd, weight, has_bias, bias_dtype, dresidu
 
 def layer_norm(x, weight=None, bias=None, eps=1e-5, *, residual=None, residual_dtype=None,
                zero_centered_weight=False, return_stats=False, out_dtype=None, out=None, scale=None, scaling=None,
-               return_amax=False, traits=None, source=None):
+               return_amax=False, dropout_p=0.0, seed=None, rowscale=None, return_dropout_mask=False, traits=None,
+               source=None):
     """LayerNorm over the last axis: y = (h - mean) / sqrt(var + eps) * w + bias,
     where h = x, or h = x + residual (summed in fp32) when a residual is given,
     and w = weight, or 1 + weight with `zero_centered_weight=True` (in fp32).
@@ -133,29 +148,41 @@ def layer_norm(x, weight=None, bias=None, eps=1e-5, *, residual=None, residual_d
     0-d) for delayed scaling. torch tensors give torch float8 tensors, CuPy
     arrays uint8 arrays holding the fp8 bits (CuPy has no fp8 dtype), numpy
     arrays ml_dtypes float8 arrays.
+
+    Dropout and a row scale on the branch (numpy arrays only so far; GPU
+    arrays get NotImplementedError): h = x * rowscale * keep / (1 - dropout_p)
+    [+ residual], rowscale of shape x.shape[:-1], keep drawn with probability
+    1 - dropout_p from `seed` (an int; Philox4x32-10, counter-based, so the
+    backward draws the same mask from the same seed: `reference.dropout_keep`
+    says which elements). With either, residual_out = h is returned after y
+    even without a residual (the backward takes it as x); with
+    `return_dropout_mask=True` the keep mask (bool, x's shape) follows it.
     """
     return _forward_call(False, x, weight, bias, eps, residual, residual_dtype, zero_centered_weight, return_stats,
-                         out_dtype, out, traits, source, scale, scaling, return_amax)
+                         out_dtype, out, traits, source, scale, scaling, return_amax,
+                         _branch(dropout_p, seed, rowscale, return_dropout_mask))
 
 
 def rms_norm(x, weight=None, eps=1e-6, *, bias=None, residual=None, residual_dtype=None, zero_centered_weight=False,
-             return_stats=False, out_dtype=None, out=None, scale=None, scaling=None, return_amax=False, traits=None,
-             source=None):
+             return_stats=False, out_dtype=None, out=None, scale=None, scaling=None, return_amax=False, dropout_p=0.0,
+             seed=None, rowscale=None, return_dropout_mask=False, traits=None, source=None):
     """RMSNorm over the last axis: y = h * rstd * w (+ bias) with rstd = 1 / sqrt(mean(h^2) + eps),
     h = x or x + residual (fp32), w = weight or 1 + weight (`zero_centered_weight`).
 
     Returns y; with a residual (y, residual_out); with `return_stats=True` the
     float32 rstd is appended. Layouts, dtypes, `out=`, `traits=` and
     `source=` as in `layer_norm`, and fp8 outputs (`scale=`, `scaling=`,
-    `return_amax=`) too.
+    `return_amax=`) and the branch's dropout and row scale (`dropout_p=`,
+    `seed=`, `rowscale=`, `return_dropout_mask=`) too.
     """
     return _forward_call(True, x, weight, bias, eps, residual, residual_dtype, zero_centered_weight, return_stats,
-                         out_dtype, out, traits, source, scale, scaling, return_amax)
+                         out_dtype, out, traits, source, scale, scaling, return_amax,
+                         _branch(dropout_p, seed, rowscale, return_dropout_mask))
 
 
 def layer_norm_backward(dy, x=None, mean=None, rstd=None, weight=None, *, y=None, bias=None, has_bias=True,
-                        bias_dtype=None, dresidual=None, zero_centered_weight=False, out=None, traits=None,
-                        source=None):
+                        bias_dtype=None, dresidual=None, zero_centered_weight=False, out=None, dropout_p=0.0,
+                        seed=None, rowscale=None, dx0_dtype=None, traits=None, source=None):
     """Gradients of `layer_norm` given dy and the forward's saved mean and rstd.
 
     x is what was normalized (residual_out when a residual was used). Returns
@@ -173,7 +200,17 @@ def layer_norm_backward(dy, x=None, mean=None, rstd=None, weight=None, *, y=None
     y's dtype, and dbias is returned exactly when a bias is given. Inexact
     where the weight is near zero (xhat carries y's rounding divided by it);
     a zero multiplier gives xhat = 0 (lost: y = bias there).
+
+    After a forward with dropout or a row scale (numpy arrays only so far):
+    pass its residual_out as x and the same dropout_p, seed and rowscale;
+    the result gains dx0, the gradient of the branch input, after dx (which
+    is h's gradient: the residual's), in `dx0_dtype` (default x's dtype):
+    (dx, dx0, dweight, dbias).
     """
+    branch = _branch(dropout_p, seed, rowscale, False)
+    if branch is not None or dx0_dtype is not None:
+        return _backward(False, None, dy, x, mean, rstd, weight, has_bias, bias_dtype, dresidual, zero_centered_weight,
+                         out, traits, source, y, bias, (dropout_p, seed, rowscale, dx0_dtype))
     values = (dy, x if y is None else y, mean, rstd, weight, dresidual, out, bias)
     key, ptrs = _call_key(values, (2, has_bias, bias_dtype, zero_centered_weight, y is None, source, traits))
     hit = _CALLS.get(key)
@@ -184,11 +221,17 @@ def layer_norm_backward(dy, x=None, mean=None, rstd=None, weight=None, *, y=None
 
 
 def rms_norm_backward(dy, x=None, rstd=None, weight=None, *, y=None, bias=None, has_bias=False, bias_dtype=None,
-                      dresidual=None, zero_centered_weight=False, out=None, traits=None, source=None):
+                      dresidual=None, zero_centered_weight=False, out=None, dropout_p=0.0, seed=None, rowscale=None,
+                      dx0_dtype=None, traits=None, source=None):
     """Gradients of `rms_norm`: (dx, dweight), as in `layer_norm_backward`;
     (dx, dweight, dbias) with `has_bias=True` (a forward with a bias). The
     memory-efficient form takes `y=` (and `bias=` if the forward had one)
-    in place of x, as in `layer_norm_backward`."""
+    in place of x, and a forward with dropout or a row scale adds dx0 after
+    dx, as in `layer_norm_backward`."""
+    branch = _branch(dropout_p, seed, rowscale, False)
+    if branch is not None or dx0_dtype is not None:
+        return _backward(True, None, dy, x, None, rstd, weight, has_bias, bias_dtype, dresidual, zero_centered_weight,
+                         out, traits, source, y, bias, (dropout_p, seed, rowscale, dx0_dtype))
     values = (dy, x if y is None else y, None, rstd, weight, dresidual, out, bias)
     key, ptrs = _call_key(values, (3, has_bias, bias_dtype, zero_centered_weight, y is None, source, traits))
     hit = _CALLS.get(key)

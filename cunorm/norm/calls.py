@@ -6,6 +6,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
+
 from .. import arrays, dtypes
 
 STATS_DTYPES = ("float32", "float64")  # what a backward takes mean and rstd in
@@ -48,6 +50,53 @@ def check_eps(eps) -> float:
     if not math.isfinite(e) or e < 0:
         raise ValueError(f"eps: must be finite and >= 0, got {eps}")
     return e
+
+
+@dataclass(frozen=True)
+class Branch:
+    """Dropout and a row scale on the branch added to the residual before the
+    norm (h = x0 * rowscale * keep / (1 - p) [+ residual]; `reference.branch_input`):
+    the per-call values; the rowscale array is the call's "rowscale" argument."""
+
+    dropout_p: float = 0.0
+    seed: int = 0
+    rowscale: bool = False
+    return_mask: bool = False
+
+    @property
+    def on(self) -> bool:
+        return bool(self.dropout_p) or self.rowscale
+
+
+NO_BRANCH = Branch()
+
+
+def check_branch(args: dict, dropout_p, seed, return_mask: bool, on_gpu: bool, x_name: str = "x") -> Branch:
+    """Validates dropout_p, seed, rowscale (args["rowscale"]) and return_dropout_mask."""
+    try:
+        p = float(dropout_p)
+    except (TypeError, ValueError):
+        raise TypeError(f"dropout_p: expected a float, got {type(dropout_p).__name__}") from None
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"dropout_p: must be in [0, 1), got {dropout_p}")
+    if p and seed is None:
+        raise ValueError("seed: dropout_p > 0 needs a seed (an int: the mask is drawn from it, and the backward "
+                         "draws the same mask from it)")
+    if seed is not None:
+        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= int(seed) < 2**64:
+            raise TypeError(f"seed: expected an int in [0, 2**64), got {seed!r}")
+    if return_mask and not p:
+        raise ValueError("return_dropout_mask: only with dropout_p > 0")
+    R, X = args.get("rowscale"), args[x_name]
+    if R is not None:
+        arrays.check_dtype(R)
+        arrays.check_shape(R, tuple(X.array.shape[:-1]), f"{X.name}.shape[:-1] (a scale per row)")
+    branch = Branch(p, int(seed or 0), R is not None, bool(return_mask))
+    if branch.on and on_gpu:
+        given = "dropout_p" if p else "rowscale"
+        raise NotImplementedError(f"{given}: the GPU kernels do not apply dropout or a row scale yet; numpy arrays "
+                                  f"run the float64 reference with them")
+    return branch
 
 
 def _vector_arg(a, n: int, x_shape: tuple | None = None) -> str:
@@ -158,10 +207,12 @@ def _scaling(y_dtype: str, x_dtype: str, n: int, O, S, scaling, return_amax) -> 
 
 
 def forward_args(rms, x, weight, bias, eps, residual, residual_dtype, zero_centered_weight, out_dtype, out,
-                 scale=None, scaling=None, return_amax=False):
-    """Validates a forward call. Returns (args, on_gpu, base, eps)."""
+                 scale=None, scaling=None, return_amax=False, dropout_p=0.0, seed=None, rowscale=None,
+                 return_dropout_mask=False):
+    """Validates a forward call. Returns (args, on_gpu, base, eps, branch)."""
     args, on_gpu = arrays.take_all({"x": x}, {"weight": weight, "bias": bias, "residual": residual, "out": out,
-                                              "scale": scale})
+                                              "scale": scale, "rowscale": rowscale})
+    branch = check_branch(args, dropout_p, seed, return_dropout_mask, on_gpu)
     X, W, B, R, O = (args[k] for k in FORWARD.arrays[:5])
     x_dtype = arrays.check_dtype(X)
     n = hidden_size(X)
@@ -182,14 +233,15 @@ def forward_args(rms, x, weight, bias, eps, residual, residual_dtype, zero_cente
                      residual_dtype=res_dtype, residual_out_dtype=res_out_dtype,
                      zero_centered=_zero_centered(zero_centered_weight, W), per_head=per_head(W, B), quant=quant,
                      amax=amax)
-    return args, on_gpu, base, check_eps(eps)
+    return args, on_gpu, base, check_eps(eps), branch
 
 
 def backward_args(rms, dy, x, mean, rstd, weight, has_bias, bias_dtype, dresidual, zero_centered_weight, out,
-                  y=None, bias=None):
-    """Validates a backward call. Returns (args, on_gpu, base); args["mean"] is None for RMSNorm. With `y`
-    (the memory-efficient backward, from the forward's output) args["x"] is y (named so in errors), mean is
-    not taken and args["bias"] is the forward's bias, whose presence decides dbias."""
+                  y=None, bias=None, dropout_p=0.0, seed=None, rowscale=None, dx0_dtype=None):
+    """Validates a backward call. Returns (args, on_gpu, base, branch, dx0 dtype name or None); args["mean"]
+    is None for RMSNorm. With `y` (the memory-efficient backward, from the forward's output) args["x"] is y
+    (named so in errors), mean is not taken and args["bias"] is the forward's bias, whose presence decides
+    dbias."""
     from_output = y is not None
     if from_output:
         if x is not None:
@@ -198,16 +250,21 @@ def backward_args(rms, dy, x, mean, rstd, weight, has_bias, bias_dtype, dresidua
         if mean is not None:
             raise TypeError("mean: not taken with y= (the memory-efficient backward needs rstd only)")
         args, on_gpu = arrays.take_all({"dy": dy, "y": y, "rstd": rstd},
-                                       {"weight": weight, "dresidual": dresidual, "out": out, "bias": bias})
+                                       {"weight": weight, "dresidual": dresidual, "out": out, "bias": bias,
+                                        "rowscale": rowscale})
         args["x"], args["mean"] = args.pop("y"), None
         has_bias = bias is not None
     else:
         if bias is not None:
             raise TypeError("bias: only with y= (the memory-efficient backward reads the forward's bias)")
         required = {"dy": dy, "x": x} | ({} if rms else {"mean": mean}) | {"rstd": rstd}
-        args, on_gpu = arrays.take_all(required, {"weight": weight, "dresidual": dresidual, "out": out})
+        args, on_gpu = arrays.take_all(required, {"weight": weight, "dresidual": dresidual, "out": out,
+                                                  "rowscale": rowscale})
         args.setdefault("mean", None)
         args["bias"] = None
+    branch = check_branch(args, dropout_p, seed, False, on_gpu)
+    if dx0_dtype is not None and not branch.on:
+        raise ValueError("dx0_dtype: only with dropout_p or rowscale (the branch input's gradient)")
     X, DY, W, DR, O = (args[k] for k in ("x", "dy", "weight", "dresidual", "out"))
     x_dtype = arrays.check_dtype(X)
     n = hidden_size(X)
@@ -241,4 +298,5 @@ def backward_args(rms, dy, x, mean, rstd, weight, has_bias, bias_dtype, dresidua
                      residual_dtype=DR.dtype_name if DR is not None else None,
                      zero_centered=_zero_centered(zero_centered_weight, W), per_head=per_head(W, B),
                      from_output=from_output)
-    return args, on_gpu, base
+    dx0 = _dtype_arg("dx0_dtype", dx0_dtype, x_dtype) if branch.on else None
+    return args, on_gpu, base, branch, dx0

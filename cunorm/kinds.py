@@ -69,7 +69,6 @@ class CupyKind:
     """CuPy arrays: outputs from CuPy's memory pool, on CuPy's current stream."""
 
     name = "cupy"
-    graph_pool = False  # memory freed during a graph capture goes back to the pool, for anyone
 
     @staticmethod
     def keypart(a) -> tuple:
@@ -171,7 +170,6 @@ class TorchKind:
     torch.cuda.current_stream() of the tensor's device."""
 
     name = "torch"
-    graph_pool = True  # during a capture torch allocates from the graph's private pool, kept for its replays
     _torch = None
     _dtypes: dict = {}
     _raw_stream = None

@@ -132,10 +132,8 @@ def _launch(*args):
 # handle to name one stream: cudaStreamDestroy releases a handle once the stream's queued work is done, so
 # a reused handle should not meet that work (inferred from the documentation, not promised by it), and the
 # per-thread default stream (handle 2: one handle, a stream per thread) gets no arena. Nor does a stream
-# capturing a CUDA graph: the graph keeps the address. torch allocates from the graph's own pool then, which
-# keeps the memory for its replays; CuPy's pool would hand it out again, so a CuPy call's block captured in a
-# graph is kept for good (`_graph_blocks`). Nor does a call above ARENA_BYTES (GPU-bound: a fresh
-# allocation costs nothing there). An arena starts with
+# capturing a CUDA graph (the graph keeps the address: its blocks are kept for good, `_graph_blocks`), nor a
+# call above ARENA_BYTES (GPU-bound: a fresh allocation costs nothing there). An arena starts with
 # CONTROL_BYTES of words that kernels keep at 0 between launches (the backward's last-CTA ticket): zeroed
 # once, when the arena is made, and never part of a call's scratch.
 ARENA_BYTES = 4 << 20
@@ -143,7 +141,7 @@ CONTROL_BYTES = 256
 MAX_ARENAS = 16
 PER_THREAD_STREAM = 2  # cudaStreamPerThread
 _arenas: dict = {}  # (kind, device, stream) -> (what keeps it alive, pointer, scratch bytes)
-_graph_blocks: list = []  # working memory of captured launches (kinds without a graph pool): replays may come
+_graph_blocks: list = []  # working memory of captured launches: a replay may come at any time
 _launch_lock = threading.Lock()  # packed slots and arenas: filled and launched together (one lock: all threads)
 
 
@@ -156,7 +154,7 @@ def scratch_pointer(kind, device_id: int, stream: int, nbytes: int, control: boo
         keep, ptr = kind.raw(device_id, CONTROL_BYTES + nbytes)
         if control:
             _memset(ptr, 0, CONTROL_BYTES, stream)
-        if capturing and not kind.graph_pool:
+        if capturing:
             _graph_blocks.append(keep)
         return keep, ptr + CONTROL_BYTES, ptr
     key = (kind, device_id, stream)

@@ -47,8 +47,6 @@ def test_call_plan_binds_outputs_scratch_and_scalars(launched):
     """Positions: arguments, then outputs, then scratch, then scalars; a given
     out= stands for its output."""
     class Kind:
-        graph_pool = False
-
         @staticmethod
         def allocation(specs, anchor):
             return lambda device_id, objs: ([f"out{i}" for i in range(len(specs))], [1000 + i for i in range(len(specs))])
@@ -86,8 +84,6 @@ def test_scratch_arena_per_stream(monkeypatch):
     made, cleared = [], []
 
     class Kind:
-        graph_pool = False  # as CuPy's: a captured block is kept
-
         @staticmethod
         def raw(device_id, nbytes):
             made.append(nbytes)
@@ -112,9 +108,6 @@ def test_scratch_arena_per_stream(monkeypatch):
     assert launch.scratch_pointer(Kind, 0, launch.PER_THREAD_STREAM, 100, True) == ("block6", 6000 + c, 6000)
     assert cleared[-2:] == [(4000, c, 9), (6000, c, launch.PER_THREAD_STREAM)] and len(cleared) == 5
     assert len(launch._arenas) == 2 and launch._graph_blocks == ["block4"]
-    Kind.graph_pool = True  # as torch's: the graph's own pool keeps it
-    assert launch.scratch_pointer(Kind, 0, 9, 100, False) == ("block7", 7000 + c, 7000)
-    assert launch._graph_blocks == ["block4"]
 
 
 def test_a_row_axes_parameter_takes_four_slots(launched):

@@ -132,8 +132,9 @@ def _launch(*args):
 # handle to name one stream: cudaStreamDestroy releases a handle once the stream's queued work is done, so
 # a reused handle should not meet that work (inferred from the documentation, not promised by it), and the
 # per-thread default stream (handle 2: one handle, a stream per thread) gets no arena. Nor does a stream
-# capturing a CUDA graph (the graph keeps the address: its blocks are kept for good, `_graph_blocks`), nor a
-# call above ARENA_BYTES (GPU-bound: a fresh allocation costs nothing there). An arena starts with
+# capturing a CUDA graph (the graph keeps the address: its blocks are kept for good, `_graph_blocks`, for
+# every kind: whoever began the capture, torch's private graph pool or not, a freed block could be handed
+# out again before a replay), nor a call above ARENA_BYTES (GPU-bound: a fresh allocation costs nothing). An arena starts with
 # CONTROL_BYTES of words that kernels keep at 0 between launches (the backward's last-CTA ticket): zeroed
 # once, when the arena is made, and never part of a call's scratch.
 ARENA_BYTES = 4 << 20

@@ -24,15 +24,37 @@ def test_philox_known_answers(counter, key, want):
     assert got.dtype == np.uint32 and [int(v) for v in got] == list(want)
 
 
-def test_dropout_mask_follows_the_flat_index_and_the_seed():
-    """Element i of the logical tensor takes word i % 4 of Philox(i // 4, seed):
-    the mask of a (6, 7, 5) tensor is that of its 210 elements in C order;
-    the keep rate is 1 - p; another seed draws another mask; p = 0 keeps all."""
-    m = reference.dropout_keep((6, 7, 5), 0.3, 2**40 + 17)
+def _philox_scalar(counter, key):
+    """Philox4x32-10 on Python ints, one block: written apart from cunorm.reference's array form."""
+    c, (k0, k1) = list(counter), key
+    mask = 2**32 - 1
+    for r in range(10):
+        if r:
+            k0, k1 = (k0 + 0x9E3779B9) & mask, (k1 + 0xBB67AE85) & mask
+        a, b = 0xD2511F53 * c[0], 0xCD9E8D57 * c[2]
+        c = [((b >> 32) ^ c[1] ^ k0) & mask, b & mask, ((a >> 32) ^ c[3] ^ k1) & mask, a & mask]
+    return c
+
+
+@pytest.mark.parametrize("p, seed", [(0.3, 0x9ABCDEF0_12345678), (0.05, 2**64 - 1), (0.9, 0)])
+def test_dropout_mask_is_the_documented_spec(p, seed):
+    """Every element of a (6, 7, 5) tensor against the spec, element by element
+    (independent scalar Philox): element i (C order) is kept when word i % 4
+    of Philox(counter = (i // 4 low, high 32 bits, 0, 0), key = (seed low,
+    high 32 bits)) is >= floor(p * 2^32)."""
+    m = reference.dropout_keep((6, 7, 5), p, seed)
+    assert m.dtype == bool and m.shape == (6, 7, 5)
+    key = (seed & (2**32 - 1), seed >> 32)
+    threshold = int(p * 2**32)
+    want = [_philox_scalar((i // 4 & (2**32 - 1), i // 4 >> 32, 0, 0), key)[i % 4] >= threshold for i in range(210)]
+    assert m.reshape(-1).tolist() == want
+    assert reference.dropout_threshold(p) == threshold
+
+
+def test_dropout_mask_rate_and_seeds():
+    """The keep rate is 1 - p; another seed draws another mask; p = 0 keeps all."""
     flat = reference.dropout_keep((210,), 0.3, 2**40 + 17)
-    assert m.dtype == bool and (m.reshape(-1) == flat).all()
-    words = reference.philox4x32(np.array([[52 // 4, 0, 0, 0]]), np.array([[17, 2**8]]))[0]
-    assert flat[52] == (words[52 % 4] >= reference.dropout_threshold(0.3))
+    assert (reference.dropout_keep((6, 7, 5), 0.3, 2**40 + 17).reshape(-1) == flat).all()
     big = reference.dropout_keep((1000, 1000), 0.3, 5)
     assert abs(big.mean() - 0.7) < 3e-3
     assert (big != reference.dropout_keep((1000, 1000), 0.3, 6)).mean() > 0.3
@@ -40,6 +62,7 @@ def test_dropout_mask_follows_the_flat_index_and_the_seed():
 
 
 def _torch_forward(x0, residual, rowscale, keep, p, weight, bias, rms):
+    """y of the branch-and-norm forward in torch (rms=None: h itself)."""
     import torch
 
     h = x0 * rowscale[..., None] if rowscale is not None else x0
@@ -47,6 +70,8 @@ def _torch_forward(x0, residual, rowscale, keep, p, weight, bias, rms):
         h = torch.where(torch.from_numpy(keep), h / (1 - p), torch.zeros_like(h))
     if residual is not None:
         h = h + residual
+    if rms is None:
+        return h
     if rms:
         y = h * torch.rsqrt((h * h).mean(-1, keepdim=True) + 1e-6) * weight
         return y + bias if bias is not None else y
@@ -54,13 +79,16 @@ def _torch_forward(x0, residual, rowscale, keep, p, weight, bias, rms):
 
 
 @pytest.mark.parametrize("rms", [False, True])
-@pytest.mark.parametrize("p, with_rowscale, with_residual", [(0.25, True, True), (0.5, False, True),
-                                                             (0.1, True, False), (0.0, True, True)])
-def test_forward_and_backward_match_autograd(rms, p, with_rowscale, with_residual, rng):
+@pytest.mark.parametrize("p, with_rowscale, with_residual, from_output",
+                         [(0.25, True, True, False), (0.5, False, True, False), (0.1, True, False, False),
+                          (0.0, True, True, False), (0.3, True, True, True)])
+def test_forward_and_backward_match_autograd(rms, p, with_rowscale, with_residual, from_output, rng):
     """y, residual_out (h) and the mask, then (dx, dx0, dweight, dbias)
     against torch's autograd of the same forward in float64 (the mask taken
-    from reference.dropout_keep): dx is the residual's gradient, dx0 the
-    branch input's."""
+    from reference.dropout_keep, itself checked against the spec above), h
+    also reaching the loss through the skip path (dresidual): dx is h's
+    gradient (the residual's), dx0 the branch input's. from_output: the
+    backward from y (y=, bias=) instead of h and mean."""
     torch = pytest.importorskip("torch")
     shape, seed = (3, 5, 48), 1234
     x0 = rng.standard_normal(shape) + 0.5
@@ -87,25 +115,32 @@ def test_forward_and_backward_match_autograd(rms, p, with_rowscale, with_residua
     np.testing.assert_allclose(y, y_ref.detach().numpy(), rtol=1e-12, atol=1e-12)
     h_ref, _ = reference.branch_input(x0, dropout_p=p, seed=seed, rowscale=rs)
     np.testing.assert_allclose(h, h_ref + (res if res is not None else 0), rtol=1e-15, atol=1e-15)
-    dy = rng.standard_normal(shape)
-    (y_ref * torch.tensor(dy)).sum().backward()
-    bw = dict(dropout_p=p, seed=seed if p else None, rowscale=rs)
-    if rms:
+    dy, dres = rng.standard_normal(shape), rng.standard_normal(shape)
+    h_t = _torch_forward(t["x0"], t["res"], t["rs"], keep, p, None, None, rms=None)
+    ((y_ref * torch.tensor(dy)).sum() + (h_t * torch.tensor(dres)).sum()).backward()
+    bw = dict(dropout_p=p, seed=seed if p else None, rowscale=rs, dresidual=dres)
+    if from_output:
+        kw = dict(y=y, bias=b, rstd=rstd, weight=w, **bw)
+        dx, dx0, dw, db = (cunorm.rms_norm_backward(dy, **kw) if rms else cunorm.layer_norm_backward(dy, **kw))
+    elif rms:
         dx, dx0, dw, db = cunorm.rms_norm_backward(dy, h, rstd, w, has_bias=True, **bw)
     else:
         dx, dx0, dw, db = cunorm.layer_norm_backward(dy, h, mean, rstd, w, **bw)
-    np.testing.assert_allclose(dx0, t["x0"].grad.numpy(), rtol=1e-10, atol=1e-10)
+    tol = 1e-7 if from_output else 1e-10  # y's float64 rounding divided by the weight
+    np.testing.assert_allclose(dx0, t["x0"].grad.numpy(), rtol=tol, atol=tol)
     if res is not None:
-        np.testing.assert_allclose(dx, t["res"].grad.numpy(), rtol=1e-10, atol=1e-10)
-    np.testing.assert_allclose(dw, t["w"].grad.numpy(), rtol=1e-10, atol=1e-10)
-    np.testing.assert_allclose(db, t["b"].grad.numpy(), rtol=1e-10, atol=1e-10)
+        np.testing.assert_allclose(dx, t["res"].grad.numpy(), rtol=tol, atol=tol)
+    np.testing.assert_allclose(dw, t["w"].grad.numpy(), rtol=tol, atol=tol)
+    np.testing.assert_allclose(db, t["b"].grad.numpy(), rtol=tol, atol=tol)
 
 
 def test_dtypes_of_a_branch_call(rng):
-    """residual_out without a residual is in x's dtype; dx0 in dx0_dtype (default x's)."""
+    """residual_out without a residual is in residual_dtype (default x's); dx0 in dx0_dtype (default x's)."""
     x = rng.standard_normal((4, 32)).astype(np.float16)
+    y, h32 = cunorm.layer_norm(x, dropout_p=0.2, seed=3, residual_dtype="float32")  # residual_in_fp32
+    assert y.dtype == np.float16 and h32.dtype == np.float32
     y, h = cunorm.layer_norm(x, dropout_p=0.2, seed=3)
-    assert y.dtype == h.dtype == np.float16
+    assert y.dtype == h.dtype == np.float16 and (h == h32.astype(np.float16)).all()
     _, mean, rstd = cunorm.layer_norm(h, return_stats=True)
     dy = rng.standard_normal(x.shape).astype(np.float16)
     dx, dx0, dw, db = cunorm.layer_norm_backward(dy, h, mean, rstd, dropout_p=0.2, seed=3, dx0_dtype="float32")
@@ -117,8 +152,12 @@ def test_bad_branch_arguments_name_the_argument(rng):
     x = rng.standard_normal((4, 32)).astype(np.float32)
     with pytest.raises(ValueError, match=r"dropout_p: must be in \[0, 1\)"):
         cunorm.layer_norm(x, dropout_p=1.0, seed=1)
-    with pytest.raises(TypeError, match="dropout_p: expected a float"):
-        cunorm.rms_norm(x, dropout_p="a", seed=1)
+    for bad in ("0.1", b"0", True, np.array([0.1, 0.2]), [0.1]):
+        with pytest.raises(TypeError, match="dropout_p: expected a float"):
+            cunorm.rms_norm(x, dropout_p=bad, seed=1)
+    assert (cunorm.rms_norm(x, dropout_p=None, seed=4) == cunorm.rms_norm(x)).all()  # None, or a seed alone: none
+    with pytest.raises(ValueError, match="residual_dtype: given without a residual"):
+        cunorm.layer_norm(x, residual_dtype="float32")
     with pytest.raises(ValueError, match="seed: dropout_p > 0 needs a seed"):
         cunorm.layer_norm(x, dropout_p=0.1)
     for bad in (-1, 2**64, 1.5, True):

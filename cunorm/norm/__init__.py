@@ -41,10 +41,13 @@ def _eps_bits(eps) -> tuple:
 
 
 def _branch(dropout_p, seed, rowscale, return_mask):
-    """The branch arguments of a call, or None where none is given (the cached path)."""
-    if dropout_p or seed is not None or rowscale is not None or return_mask:
-        return dropout_p, seed, rowscale, return_mask
-    return None
+    """The branch arguments of a call, or None where it has no branch (the cached path): no dropout, no row
+    scale, no mask asked for (a seed alone draws nothing and is ignored; anything but a number as dropout_p is
+    refused by `calls.check_branch`)."""
+    if (dropout_p is None or dropout_p.__class__ in (float, int) and not dropout_p) and rowscale is None \
+            and not return_mask:
+        return None
+    return dropout_p, seed, rowscale, return_mask
 
 
 # Each public op first tries its cached plan (`plan.call_key`: the flags,

@@ -3,6 +3,7 @@ errors, and the call reduced to its dispatch fields (`call_base`). Both the
 GPU path and the numpy path start here, so they refuse the same things."""
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -62,6 +63,7 @@ class Branch:
     seed: int = 0
     rowscale: bool = False
     return_mask: bool = False
+    h_dtype: str | None = None  # residual_out's dtype without a residual (residual_dtype=; default x's)
 
     @property
     def on(self) -> bool:
@@ -72,7 +74,11 @@ NO_BRANCH = Branch()
 
 
 def check_branch(args: dict, dropout_p, seed, return_mask: bool, on_gpu: bool, x_name: str = "x") -> Branch:
-    """Validates dropout_p, seed, rowscale (args["rowscale"]) and return_dropout_mask."""
+    """Validates dropout_p (None: 0), seed, rowscale (args["rowscale"]) and return_dropout_mask."""
+    if dropout_p is None:
+        dropout_p = 0.0
+    if isinstance(dropout_p, (str, bytes, bool)) or np.ndim(dropout_p) != 0:
+        raise TypeError(f"dropout_p: expected a float, got {type(dropout_p).__name__}")
     try:
         p = float(dropout_p)
     except (TypeError, ValueError):
@@ -220,8 +226,11 @@ def forward_args(rms, x, weight, bias, eps, residual, residual_dtype, zero_cente
     if R is not None:
         arrays.check_dtype(R)
         arrays.check_shape(R, X.array.shape, "x's shape")
+    elif branch.on:  # residual_out = h is written without a residual too: residual_dtype is its dtype
+        branch = dataclasses.replace(branch, h_dtype=_dtype_arg("residual_dtype", residual_dtype, x_dtype))
+        residual_dtype = None
     elif residual_dtype is not None:
-        raise ValueError("residual_dtype: given without a residual")
+        raise ValueError("residual_dtype: given without a residual (or dropout_p / rowscale)")
     res_dtype = R.dtype_name if R is not None else None  # the residual as read
     res_out_dtype = _dtype_arg("residual_dtype", residual_dtype, res_dtype)  # residual_out as written
     if O is not None:

@@ -36,8 +36,8 @@ def forward(args: dict, base: dict, eps: float, rms: bool, return_stats: bool, b
     values = [y]
     if R is not None:
         values.append(h.astype(dtypes.numpy_dtype(base["residual_out_dtype"])))
-    elif branch.on:  # h, for the backward: x's dtype without a residual
-        values.append(h.astype(X.array.dtype))
+    elif branch.on:  # h, for the backward: residual_dtype's (default x's) without a residual
+        values.append(h.astype(dtypes.numpy_dtype(branch.h_dtype)))
     values += extras
     if branch.return_mask:
         values.append(keep)

@@ -1,4 +1,6 @@
 """Tier A: Traits mirror the kernels' rules; every dispatch entry is legal."""
+import math
+
 import pytest
 
 from cunorm import Traits, dispatch, dtypes
@@ -174,3 +176,56 @@ def test_kernels_compile_once_under_concurrent_requests(monkeypatch):
     assert len(calls) == 1 and len(got) == 8 and all(g is got[0] for g in got)
     compiler.kernels_for(t.replace(warps_n=4), 0)
     assert len(calls) == 2
+
+
+def test_last_cta_finalize_is_a_backward_flag_with_column_sums():
+    """The one-launch backward: a flag of the backward with column sums only;
+    its variant launches norm_bwd alone, and its source compiles out the
+    finalize kernel (tier B checks the compiled kernels against launches())."""
+    from cunorm import render
+
+    t = Traits(hidden_size=4096, input_dtype="bfloat16", backward=True, warps_n=4)
+    fused = t.replace(last_cta_finalize=True)
+    assert set(t.launches()) == {"norm_bwd", "norm_bwd_finalize"} and set(fused.launches()) == {"norm_bwd"}
+    assert "#define CN_LAST_CTA_FINALIZE 0" in render(t) and "#define CN_LAST_CTA_FINALIZE 1" in render(fused)
+    assert "last-cta-finalize" in fused.short() and fused != t and hash(fused) != hash(t)
+    for changes in (dict(backward=False), dict(has_weight=False, has_bias=False)):
+        with pytest.raises(ValueError, match="LAST_CTA_FINALIZE needs column sums"):
+            t.replace(last_cta_finalize=True, **changes)
+
+
+def test_one_launch_policy_and_its_capped_grid():
+    """Which backwards sum in their last CTA (few elements, no clusters, with
+    column sums), and the grid they get: capped at `most` groups, yet always
+    a multiple of the shift period (general rows) and of the heads (weights
+    per head), and never more than the rows or the resident CTAs."""
+    from types import SimpleNamespace
+
+    from cunorm import layout
+    from cunorm.norm import plans
+
+    t = Traits(hidden_size=4096, input_dtype="bfloat16", backward=True, warps_n=4)
+    limit = plans.FUSE_ROW_ELEMENTS // 4096
+    assert plans.one_launch(t, limit) and not plans.one_launch(t, limit + 1)
+    assert not plans.one_launch(t.replace(has_weight=False, has_bias=False), 1)
+    assert not plans.one_launch(t.replace(backward=False), 1)
+    assert not plans.one_launch(t.replace(ctas_per_row=2, warps_n=2), 1)
+
+    kernel = SimpleNamespace(resident_clusters=132)
+
+    def prepared(rows, ld=4096, heads=1):
+        x = layout.Rows("x", None, rows, ld, 0)
+        return plans.Prepared({}, {"x": x}, 4096, rows, heads=heads)
+
+    assert prepared(37).grid_groups(kernel, t) == 37
+    assert prepared(37).grid_groups(kernel, t, most=8) == 8
+    assert prepared(1000).grid_groups(kernel, t, most=500) == 132  # resident CTAs first
+    general = Traits(hidden_size=4097, input_dtype="bfloat16", backward=True, warps_n=4, bytes_per_ldg=16,
+                     aligned_rows=False)
+    period = layout.shift_period(4097, 64, general.elts_per_ldg)  # 8: rows shift by one element each
+    assert period == 8
+    assert prepared(64, ld=4097).grid_groups(kernel, general, most=4) == 8  # up to one whole period
+    assert prepared(64, ld=4097).grid_groups(kernel, general, most=20) == 16
+    per_head = t.replace(per_head=True, cache_weights=False, warps_m=2)
+    groups = prepared(96, heads=12).grid_groups(kernel, per_head, most=5)
+    assert groups % (12 // math.gcd(12, 2)) == 0 and groups == 6

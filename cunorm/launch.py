@@ -132,11 +132,11 @@ def _launch(*args):
 # handle to name one stream: cudaStreamDestroy releases a handle once the stream's queued work is done, so
 # a reused handle should not meet that work (inferred from the documentation, not promised by it), and the
 # per-thread default stream (handle 2: one handle, a stream per thread) gets no arena. Nor does a stream
-# capturing a CUDA graph (the graph keeps the address: its blocks are kept for good, `_graph_blocks`, for
-# every kind: whoever began the capture, torch's private graph pool or not, a freed block could be handed
-# out again before a replay), nor a call above ARENA_BYTES (GPU-bound: a fresh allocation costs nothing). An arena starts with
-# CONTROL_BYTES of words that kernels keep at 0 between launches (the backward's last-CTA ticket): zeroed
-# once, when the arena is made, and never part of a call's scratch.
+# capturing a CUDA graph: the graph keeps the address, so its blocks are kept for good (`_graph_blocks`;
+# for every kind: whoever began the capture, torch's private graph pool or not, a freed block could be
+# handed out again before a replay). Nor does a call above ARENA_BYTES (GPU-bound: a fresh allocation costs
+# nothing there). An arena starts with CONTROL_BYTES of words that kernels keep at 0 between launches (the
+# backward's last-CTA ticket): zeroed once, when the arena is made, and never part of a call's scratch.
 ARENA_BYTES = 4 << 20
 CONTROL_BYTES = 256
 MAX_ARENAS = 16
@@ -242,7 +242,8 @@ class CallPlan:
         self.out_span = dict(self.spans).get(self.out_at, 0)
         self.make_outputs = kind.allocation([(o.shape, o.dtype, o.offset) for o in self.outputs],
                                             self.names.index(anchor or self.names[0]))
-        # Positions of every pointer a launch may name: arguments, outputs, scratch, then the scalars.
+        # Positions of every pointer a launch may name: arguments, outputs, scratch, the control words (with
+        # scratch), then the scalars.
         positions = {name: i for i, name in enumerate(self.names)}
         for o in self.outputs:
             positions[o.name] = len(positions)

@@ -184,6 +184,7 @@ class TorchKind:
             if dtypes.BFLOAT16 is not None:
                 cls._dtypes[torch.bfloat16] = dtypes.BFLOAT16
             cls._to_torch = {v: k for k, v in cls._dtypes.items()}
+            cls._to_torch[np.dtype(np.bool_)] = torch.bool  # outputs only (a dropout mask)
             for name, dt in dtypes.FP8.items():  # outputs only: never an input dtype
                 if hasattr(torch, name):
                     cls._to_torch[dt] = getattr(torch, name)

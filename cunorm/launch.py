@@ -43,8 +43,9 @@ def f64_bits(value: float) -> int:
 class Launch:
     """One kernel launch. `args` lists the kernel's parameters in order:
     ("ptr", name) (a pointer among the call's values; 0 when absent),
-    ("i64" | "i32" | "u32", int), ("f32" | "f64", float, or the name of a
-    per-call scalar: its bits, `f32_bits` / `f64_bits`), ("axes", (s0, s1,
+    ("i64" | "i32" | "u32", int, or the name of a per-call integer),
+    ("f32" | "f64", float, or the name of a per-call scalar: its bits,
+    `f32_bits` / `f64_bits`), ("axes", (s0, s1,
     s2, d1, d2)) (a RowAxes struct, AXES_SLOTS slots). Each parameter starts
     a slot of 8 bytes. `bind` turns names into positions; a call then writes
     every named slot with one `struct.pack_into` (constant slots are skipped,
@@ -63,6 +64,8 @@ class Launch:
         self.firsts = firsts
         packed = np.zeros(max(1, total), np.uint64)
         for i, (kind, value) in zip(firsts, args):
+            if isinstance(value, str):  # a pointer or a per-call scalar: written by each call
+                continue
             if kind == "axes":
                 packed.view(np.int64)[i:i + 3] = value[:3]
                 packed.view(np.uint32)[2 * (i + 3):2 * (i + 4)] = value[3:]
@@ -70,9 +73,9 @@ class Launch:
                 packed.view(np.int64)[i] = value
             elif kind in ("i32", "u32"):
                 packed.view(np.uint32)[2 * i] = np.uint32(value % 2**32)
-            elif kind == "f32" and not isinstance(value, str):
+            elif kind == "f32":
                 packed.view(np.float32)[2 * i] = value
-            elif kind == "f64" and not isinstance(value, str):
+            elif kind == "f64":
                 packed.view(np.float64)[i] = value
         self.slots = array.array("Q", packed.tobytes())
         address = self.slots.buffer_info()[0]
@@ -88,7 +91,7 @@ class Launch:
         slots are never written again)."""
         runs = []  # [first slot, [positions]]
         for i, (kind, value) in zip(self.firsts, self.args):
-            at = positions.get(value) if kind == "ptr" or (kind in ("f32", "f64") and isinstance(value, str)) else None
+            at = positions.get(value) if isinstance(value, str) else None
             if at is None:
                 continue
             if runs and runs[-1][0] + len(runs[-1][1]) == i:

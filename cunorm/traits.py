@@ -88,6 +88,14 @@ class Traits:
       them all into dgamma/dbeta (one launch, and a ticket word the host
       keeps at 0), instead of norm_bwd_finalize: for small calls, whose grid
       the host caps.
+    dropout / rowscale_dtype: the branch before the residual add, h = x *
+      rowscale * keep / (1 - p) (+ residual): dropout drawn per element from
+      a seed (Philox, `reference.dropout_keep`), a scale per row (its dtype;
+      None: none). The forward then stores h as residual_out with or
+      without a residual (residual_out_dtype is h's); the backward also
+      writes dx0, the branch input's gradient.
+    dropout_mask: (forward, with dropout) also store the keep mask.
+    dx0_dtype: (backward, with a branch) dx0's dtype.
     """
 
     hidden_size: int
@@ -122,11 +130,18 @@ class Traits:
     quant: str = "none"
     amax: bool = False
     last_cta_finalize: bool = False
+    dropout: bool = False
+    rowscale_dtype: str | None = None
+    dropout_mask: bool = False
+    dx0_dtype: str | None = None
 
     KNOBS = KNOBS  # what `traits=` may force and tuning varies
 
     def __post_init__(self):
         object.__setattr__(self, "input_dtype", dtypes.name_of(self.input_dtype))
+        for field in ("rowscale_dtype", "dx0_dtype"):  # optional dtypes: None, or a name
+            if getattr(self, field) is not None:
+                object.__setattr__(self, field, dtypes.name_of(getattr(self, field)))
         if self.compute_dtype is None:
             object.__setattr__(self, "compute_dtype", dtypes.compute_dtype(self.input_dtype))
         # Dtypes left out: x's for the tensors present; float32 for absent ones (what a call names for them).
@@ -151,6 +166,11 @@ class Traits:
         self._check()
 
     # -- derived, as in norm_traits.cuh ------------------------------------
+    @property
+    def branch(self) -> bool:
+        """Dropout or a row scale before the residual add."""
+        return self.dropout or self.rowscale_dtype is not None
+
     @property
     def threads_per_row(self) -> int:
         return self.warps_n * THREADS_PER_WARP
@@ -298,6 +318,11 @@ class Traits:
         rule(self.backward or not self.from_output, "from_output is a backward flag")
         rule(not self.last_cta_finalize or (self.backward and (self.has_weight or self.has_bias)),
              "LAST_CTA_FINALIZE needs column sums (a backward with a weight or a bias)")
+        rule(not self.dropout_mask or (self.dropout and not self.backward), "a dropout mask needs a forward's dropout")
+        rule((self.dx0_dtype is not None) == (self.backward and self.branch),
+             "dx0_dtype is given exactly for a backward with dropout or a row scale")
+        rule(not self.branch or (not self.from_output and self.quant == "none"),
+             "dropout and a row scale: not with from_output or fp8 outputs")
         fp8 = self.output_dtype in dtypes.FP8_NAMES and not self.backward
         rule(self.quant in QUANT_MODES, f"QUANT must be one of {', '.join(QUANT_MODES)}")
         rule(fp8 == (self.quant != "none"), "an fp8 output (forward) needs a scaling (quant), and only it has one")
@@ -340,7 +365,11 @@ class Traits:
                                                      ("from-output", self.from_output),
                                                      (f"fp8-scaled-per-{self.quant}", self.quant != "none"),
                                                      ("amax", self.amax),
-                                                     ("last-cta-finalize", self.last_cta_finalize)) if on)
+                                                     ("last-cta-finalize", self.last_cta_finalize),
+                                                     ("dropout", self.dropout),
+                                                     (f"rowscale={self.rowscale_dtype}",
+                                                      self.rowscale_dtype is not None),
+                                                     ("dropout-mask", self.dropout_mask)) if on)
         if self.has_residual:  # the residual read and residual_out written: two tensors, a dtype each
             flags += (f" dresidual={self.residual_dtype}" if self.backward else
                       f" residual={self.residual_dtype}->{self.residual_out_dtype}")
@@ -391,6 +420,12 @@ class Traits:
             "QUANT": QUANT_MODES.index(self.quant),
             "AMAX": int(self.amax),
             "LAST_CTA_FINALIZE": int(self.last_cta_finalize),
+            "BRANCH": int(self.branch),
+            "DROPOUT": "true" if self.dropout else "false",
+            "ROWSCALE": "true" if self.rowscale_dtype is not None else "false",
+            "ROWSCALE_T": dtypes.cxx_type(self.rowscale_dtype or "float32"),
+            "DROPOUT_MASK": "true" if self.dropout_mask else "false",
+            "DX0_T": dtypes.cxx_type(self.dx0_dtype or "float32"),
             "LDGS": self.ldgs,
             "THREADS_PER_CTA": self.threads_per_cta,
             "ELTS_PER_THREAD": self.elts_per_thread,

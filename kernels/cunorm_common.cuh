@@ -313,3 +313,43 @@ __device__ __forceinline__ double load_cluster_shared(const double* local, unsig
 #endif
   return v;
 }
+
+// Dropout masks (cunorm.reference.dropout_keep): element i of a tensor (flat
+// index in C order over its logical shape) takes word i % 4 of Philox4x32-10
+// with counter (i / 4 as two 32-bit halves, 0, 0) and key (the seed's two
+// halves), and is kept when that word is >= the threshold floor(p * 2^32).
+__device__ __forceinline__ uint4 cn_philox(unsigned long long block, unsigned long long seed) {
+  unsigned c0 = static_cast<unsigned>(block), c1 = static_cast<unsigned>(block >> 32), c2 = 0u, c3 = 0u;
+  unsigned k0 = static_cast<unsigned>(seed), k1 = static_cast<unsigned>(seed >> 32);
+#pragma unroll
+  for (int r = 0; r < 10; ++r) {
+    if (r) {
+      k0 += 0x9E3779B9u;
+      k1 += 0xBB67AE85u;
+    }
+    const unsigned hi0 = __umulhi(0xD2511F53u, c0), lo0 = 0xD2511F53u * c0;
+    const unsigned hi1 = __umulhi(0xCD9E8D57u, c2), lo1 = 0xCD9E8D57u * c2;
+    c0 = hi1 ^ c1 ^ k0;
+    c1 = lo1;
+    c2 = hi0 ^ c3 ^ k1;
+    c3 = lo0;
+  }
+  return make_uint4(c0, c1, c2, c3);
+}
+
+// Bit e set when element first + e (e < N, consecutive flat indices) is kept: one Philox block per four
+// elements, drawn again only where the block changes.
+template <int N>
+__device__ __forceinline__ unsigned cn_keep_bits(long long first, unsigned long long seed, unsigned threshold) {
+  unsigned bits = 0u;
+  uint4 w = make_uint4(0u, 0u, 0u, 0u);
+#pragma unroll
+  for (int e = 0; e < N; ++e) {
+    const unsigned long long i = static_cast<unsigned long long>(first + e);
+    if (e == 0 || (i & 3ull) == 0ull) w = cn_philox(i >> 2, seed);
+    const unsigned k = static_cast<unsigned>(i & 3ull);
+    const unsigned word = k == 0u ? w.x : k == 1u ? w.y : k == 2u ? w.z : w.w;
+    bits |= (word >= threshold ? 1u : 0u) << e;
+  }
+  return bits;
+}

@@ -30,6 +30,19 @@ static_assert(QUANT != QUANT_GROUP || (ALIGNED_ROWS && COLS % QUANT_GROUP_COLS =
               "128-column scaling needs aligned rows, N a multiple of 128 and loads of >= 4 elements");
 static_assert(QUANT == QUANT_NONE || FormatMax<output_t>::value > 1.f, "scaled outputs are fp8");
 
+// The branch before the residual add (cunorm.reference.branch_input): h = x * rowscale[row] * keep / (1 - p)
+// (+ residual), keep drawn per element from the seed (cn_keep_bits), h stored as residual_out with or
+// without a residual; DROPOUT_MASK also stores the keep mask, a byte an element, row-major over x's shape.
+#define CN_BRANCH ${BRANCH}
+constexpr bool BRANCH = CN_BRANCH;
+constexpr bool DROPOUT = ${DROPOUT};
+constexpr bool ROWSCALE = ${ROWSCALE};
+constexpr bool DROPOUT_MASK = ${DROPOUT_MASK};
+constexpr bool STORES_H = HAS_RESIDUAL || BRANCH;  // h in compute_t, stored as residual_out
+typedef ${ROWSCALE_T} rowscale_t;
+static_assert(BRANCH == (DROPOUT || ROWSCALE), "BRANCH is DROPOUT or ROWSCALE");
+static_assert(!DROPOUT_MASK || DROPOUT, "a dropout mask needs dropout");
+
 // Dynamic shared memory: [staged x][staged residual][gamma slots][beta slots].
 constexpr int SMEM_BYTES = RowPipe<input_t>::BYTES + RowPipe<residual_t, HAS_RESIDUAL>::BYTES +
                            RowWeights<weight_t, HAS_WEIGHT>::BYTES + RowWeights<bias_t, HAS_BIAS>::BYTES;
@@ -49,6 +62,10 @@ norm_fwd(const input_t* x, const residual_t* residual, const weight_t* __restric
 #if CN_QUANT || CN_AMAX
          , const float* __restrict__ qscale, float* __restrict__ qscales, float* __restrict__ amax
 #endif
+#if CN_BRANCH
+         , unsigned long long seed, unsigned drop_threshold, compute_t keep_scale,
+         const rowscale_t* __restrict__ rowscale, unsigned char* __restrict__ keep_out
+#endif
 ) {
 #if !CN_PER_HEAD
   constexpr long long heads = 1, gamma_head_stride = 0, beta_head_stride = 0;
@@ -56,6 +73,13 @@ norm_fwd(const input_t* x, const residual_t* residual, const weight_t* __restric
 #if !(CN_QUANT || CN_AMAX)
   const float* const qscale = nullptr;
   float* const qscales = nullptr;
+#endif
+#if !CN_BRANCH
+  constexpr unsigned long long seed = 0;
+  constexpr unsigned drop_threshold = 0;
+  constexpr compute_t keep_scale = 1;
+  const rowscale_t* const rowscale = nullptr;
+  unsigned char* const keep_out = nullptr;
 #endif
   using InVec = Vec<input_t, ELTS_PER_LDG>;
   using ResVec = Vec<residual_t, ELTS_PER_LDG>;
@@ -84,9 +108,32 @@ norm_fwd(const input_t* x, const residual_t* residual, const weight_t* __restric
     xs.read(stage, row, v, at);
     if constexpr (HAS_RESIDUAL) rs.read(stage, row, r, at);
     mask_row(v, at);
-    SumVec h[LDGS];  // x + residual in compute_t (optimized away without a residual)
-    if constexpr (HAS_RESIDUAL) {
-      mask_row(r, at);
+    SumVec h[LDGS];  // x (or the branch) + residual in compute_t (optimized away without either)
+    if constexpr (HAS_RESIDUAL) mask_row(r, at);
+    if constexpr (BRANCH) {
+      const compute_t rsc = ROWSCALE ? (row_ok ? compute_t(to_float(rowscale[row])) : compute_t(0)) : compute_t(1);
+#pragma unroll
+      for (int it = 0; it < LDGS; ++it) {
+        const unsigned keep =
+            DROPOUT ? cn_keep_bits<ELTS_PER_LDG>(row * COLS + at.column(it, 0), seed, drop_threshold) : ~0u;
+#pragma unroll
+        for (int e = 0; e < ELTS_PER_LDG; ++e) {
+          compute_t x0 = v[it].get(e);
+          if constexpr (ROWSCALE) x0 *= rsc;
+          if constexpr (DROPOUT) x0 = (keep >> e) & 1u ? x0 * keep_scale : compute_t(0);
+          if constexpr (HAS_RESIDUAL) x0 += r[it].get(e);
+          h[it].set(e, x0);
+        }
+        if constexpr (DROPOUT_MASK) {
+          if (row_ok) {
+#pragma unroll
+            for (int e = 0; e < ELTS_PER_LDG; ++e)
+              if (at.valid(it, e))
+                keep_out[row * COLS + at.column(it, e)] = static_cast<unsigned char>((keep >> e) & 1u);
+          }
+        }
+      }
+    } else if constexpr (HAS_RESIDUAL) {
 #pragma unroll
       for (int it = 0; it < LDGS; ++it)
 #pragma unroll
@@ -94,7 +141,7 @@ norm_fwd(const input_t* x, const residual_t* residual, const weight_t* __restric
     }
     // Element e of LDG step `it` of h; zero outside the row.
     auto value = [&](int it, int e) -> compute_t {
-      if constexpr (HAS_RESIDUAL) return h[it].get(e);
+      if constexpr (STORES_H) return h[it].get(e);
       else return v[it].get(e);
     };
 
@@ -209,7 +256,7 @@ norm_fwd(const input_t* x, const residual_t* residual, const weight_t* __restric
           Vec<output_t, ELTS_PER_LDG> o;
           o.set_all(out);
           store_vec<EDGES>(o, at.frame(y, row, ldy), it, at);
-          if constexpr (HAS_RESIDUAL) {
+          if constexpr (STORES_H) {
             compute_t hs[ELTS_PER_LDG];
 #pragma unroll
             for (int e = 0; e < ELTS_PER_LDG; ++e) hs[e] = h[it].get(e);

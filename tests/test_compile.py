@@ -146,3 +146,22 @@ def test_check_compile_only_takes_a_source(tmp_path):
     assert all("norm_fwd" == f["name"] for v in out["variants"] for f in v["functions"])  # the forwards only
     res = CliRunner().invoke(cli.main, args + ["--source", str(bad)])
     assert res.exit_code == 1 and json.loads(res.stdout)["failed"] > 0
+
+
+def test_branch_variants_compile():
+    """Dropout, a row scale and the keep mask (forward): aligned and general
+    rows, with and without a residual, every input width, spill-free on sm_90
+    and sm_80."""
+    cases = [dict(hidden_size=4096, input_dtype="bfloat16", dropout=True),
+             dict(hidden_size=4096, input_dtype="bfloat16", dropout=True, dropout_mask=True, has_residual=True,
+                  rowscale_dtype="float32"),
+             dict(hidden_size=4097, input_dtype="float16", dropout=True, dropout_mask=True, has_residual=True,
+                  residual_dtype="float32", rowscale_dtype="bfloat16", aligned_rows=False, bytes_per_ldg=2, stages=1),
+             dict(hidden_size=1000, input_dtype="float64", rowscale_dtype="float64"),
+             dict(hidden_size=8192, input_dtype="float32", dropout=True, rms=True, has_bias=False)]
+    for kw in cases:
+        t = dispatch.choose(arch=90, **kw)[0] if "bytes_per_ldg" not in kw else Traits(**kw, warps_n=4)
+        for arch in (90, 80):
+            if arch == 80 and t.uses_cluster:
+                continue
+            assert compile_only(t, arch).clean, (arch, t.short())

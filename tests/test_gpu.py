@@ -389,18 +389,57 @@ def test_per_thread_default_stream_takes_fresh_scratch(rng):
     assert not any(stream == launch.PER_THREAD_STREAM for _, _, stream in launch._arenas)
 
 
-def test_branch_calls_are_refused_on_the_gpu_even_after_a_cached_call(rng):
-    """dropout_p and rowscale run on the numpy path only so far: a GPU call
-    with them is refused naming the argument, also right after the same
+def test_branch_backwards_are_refused_on_the_gpu_even_after_a_cached_call(rng):
+    """The backward's kernels do not apply dropout or a row scale yet: a GPU
+    call with them is refused naming the argument, also right after the same
     arrays were planned and cached without them."""
     import cupy
 
     x = cupy.asarray(rng.standard_normal((8, 256)).astype(np.float32))
     y, rstd = cunorm.rms_norm(x, return_stats=True)
-    cunorm.rms_norm(x)  # a cache hit
-    with pytest.raises(NotImplementedError, match="dropout_p: the GPU kernels"):
-        cunorm.rms_norm(x, dropout_p=0.1, seed=1)
-    with pytest.raises(NotImplementedError, match="rowscale: the GPU kernels"):
-        cunorm.layer_norm(x, rowscale=cupy.ones(8, np.float32))
+    cunorm.rms_norm_backward(x, x, rstd)
+    cunorm.rms_norm_backward(x, x, rstd)  # a cache hit
     with pytest.raises(NotImplementedError, match="dropout_p: the GPU kernels"):
         cunorm.rms_norm_backward(x, x, rstd, dropout_p=0.5, seed=2)
+    with pytest.raises(NotImplementedError, match="rowscale: the GPU kernels"):
+        cunorm.rms_norm_backward(x, x, rstd, rowscale=cupy.ones(8, np.float32))
+
+
+@pytest.mark.parametrize("op", ["layer_norm", "rms_norm"])
+@pytest.mark.parametrize("n, dtype, residual, rowscale, p, layout", [
+    (4096, "bfloat16", "bfloat16", "float32", 0.25, "contiguous"),
+    (1024, "float32", None, None, 0.5, "contiguous"),
+    (4097, "float16", "float32", "bfloat16", 0.1, "contiguous"),  # general rows
+    (768, "bfloat16", None, "float32", 0.0, "strided"),  # a row scale alone, rows one stride apart
+    (1000, "float64", "float64", "float64", 0.3, "contiguous"),
+])
+def test_forward_branch_against_the_numpy_path(op, n, dtype, residual, rowscale, p, layout, rng):
+    """Dropout and a row scale on the GPU forward: the keep mask bit for bit,
+    and y, h (residual_out) and the statistics, against the same call on numpy
+    arrays (the float64 reference, the same Philox mask); outputs poisoned."""
+    import cupy
+
+    rows, seed = 37, 0x0123456789ABCDEF
+    dt = dtypes.numpy_dtype(dtype)
+    host = {"x": (rng.standard_normal((rows, n + 64)) + 0.5).astype(dt)[:, :n] if layout == "strided"
+            else (rng.standard_normal((rows, n)) + 0.5).astype(dt),
+            "weight": rng.standard_normal(n).astype(np.float32)}
+    if residual:
+        host["residual"] = rng.standard_normal((rows, n)).astype(dtypes.numpy_dtype(residual))
+    if rowscale:
+        host["rowscale"] = rng.uniform(0.5, 2.0, rows).astype(dtypes.numpy_dtype(rowscale))
+    kw = dict(dropout_p=p, seed=seed if p else None, return_dropout_mask=bool(p), return_stats=True)
+    fn = getattr(cunorm, op)
+    want = fn(**host, **kw)
+    with check.poisoned_allocations():
+        got = fn(**{k: cupy.asarray(v) for k, v in host.items()}, **kw)
+    assert len(got) == len(want)
+    y, h, *rest = got
+    wy, wh, *wrest = want
+    if p:
+        keep, wkeep = rest.pop(0), wrest.pop(0)
+        assert keep.dtype == np.bool_ and bool((keep.get() == wkeep).all())
+    tol = check.tolerance(dtypes.name_of(y.dtype), dtype)
+    assert check.rel_l2(y, wy) < tol and check.rel_l2(h, wh) < check.tolerance(dtypes.name_of(h.dtype), dtype)
+    for s, ws in zip(rest, wrest):
+        assert check.rel_l2(s, ws) < max(tol, 1e-5)

@@ -13,7 +13,7 @@ from .. import arrays, plan
 from ..launch import f32_bits, f64_bits
 from ..source import check_source
 from . import calls, cpu, plans
-from .calls import BACKWARD, FORWARD, call_base  # noqa: F401  (call_base: the checker's dispatch fields)
+from .calls import BACKWARD, call_base  # noqa: F401  (call_base: the checker's dispatch fields)
 
 
 def _objs_and_ptrs(args: dict, names: tuple) -> tuple:
@@ -98,7 +98,17 @@ def _forward(rms, key, ptrs, x, weight, bias, eps, residual, residual_dtype, zer
     with plan.on_device(args["x"].array.device_id):
         call, _ = plans.forward_plan(args, base, traits, rms, bool(return_stats), source)
     plan.remember(key, call)
-    return call.run(*_objs_and_ptrs(args, FORWARD.arrays), _eps_bits(eps))
+    bits = _eps_bits(eps) + (_branch_bits(branch) if branch.on else ())
+    return call.run(*_objs_and_ptrs(args, call.names), bits)
+
+
+def _branch_bits(branch) -> tuple:
+    """The per-call scalars of a branch (`plans.BRANCH_SCALARS`): the seed, the dropout threshold, and
+    1 / (1 - p) as float32 and float64 bits."""
+    from ..reference import dropout_threshold
+
+    keep = 1.0 / (1.0 - branch.dropout_p)
+    return branch.seed, dropout_threshold(branch.dropout_p), f32_bits(keep), f64_bits(keep)
 
 
 def _backward(rms, key, dy, x, mean, rstd, weight, has_bias, bias_dtype, dresidual, zero_centered_weight, out,

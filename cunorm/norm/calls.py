@@ -25,8 +25,9 @@ class Direction:
     in_place: dict  # {output name: the inputs it may be exactly}
 
 
-FORWARD = Direction(("x", "weight", "bias", "residual", "out", "scale"), ("x", "residual"), ("weight", "bias", "scale"),
-                    {"out": ("x",)})
+FORWARD = Direction(("x", "weight", "bias", "residual", "out", "scale"), ("x", "residual"),
+                    ("weight", "bias", "scale", "rowscale"), {"out": ("x",)})
+BRANCH_ARRAYS = ("rowscale",)  # the arrays a call with a branch names after its direction's
 SCALINGS = ("tensor", "row", "group")  # fp8 output scalings (traits.QUANT_MODES less "none")
 # The backward's "x" is y, the forward's output, in the memory-efficient form (`from_output`), which also
 # reads the forward's bias.
@@ -73,8 +74,10 @@ class Branch:
 NO_BRANCH = Branch()
 
 
-def check_branch(args: dict, dropout_p, seed, return_mask: bool, on_gpu: bool, x_name: str = "x") -> Branch:
-    """Validates dropout_p (None: 0), seed, rowscale (args["rowscale"]) and return_dropout_mask."""
+def check_branch(args: dict, dropout_p, seed, return_mask: bool, on_gpu: bool, x_name: str = "x",
+                 gpu_ok: bool = False) -> Branch:
+    """Validates dropout_p (None: 0), seed, rowscale (args["rowscale"]) and return_dropout_mask; `gpu_ok`:
+    whether the kernels of this direction apply them (else GPU arrays are refused)."""
     if dropout_p is None:
         dropout_p = 0.0
     if isinstance(dropout_p, (str, bytes, bool)) or np.ndim(dropout_p) != 0:
@@ -98,7 +101,7 @@ def check_branch(args: dict, dropout_p, seed, return_mask: bool, on_gpu: bool, x
         arrays.check_dtype(R)
         arrays.check_shape(R, tuple(X.array.shape[:-1]), f"{X.name}.shape[:-1] (a scale per row)")
     branch = Branch(p, int(seed or 0), R is not None, bool(return_mask))
-    if branch.on and on_gpu:
+    if branch.on and on_gpu and not gpu_ok:
         given = "dropout_p" if p else "rowscale"
         raise NotImplementedError(f"{given}: the GPU kernels do not apply dropout or a row scale yet; numpy arrays "
                                   f"run the float64 reference with them")
@@ -166,13 +169,24 @@ def _out_dtype(out, out_dtype, default: str, what: str) -> str:
 def call_base(*, rms: bool, backward: bool, hidden_size: int, input_dtype: str, output_dtype: str,
               weight_dtype: str | None, bias_dtype: str | None, residual_dtype: str | None,
               zero_centered: bool, residual_out_dtype: str | None = None, per_head: bool = False,
-              from_output: bool = False, quant: str = "none", amax: bool = False) -> dict:
+              from_output: bool = False, quant: str = "none", amax: bool = False, branch: Branch = NO_BRANCH,
+              rowscale_dtype: str | None = None) -> dict:
     """The dispatch fields of a call (absent arguments: None dtypes). The
     residual read (forward) or dresidual (backward) and the residual_out
     written (forward only) are two tensors with a dtype each: residual_out
-    defaults to the residual's dtype."""
+    defaults to the residual's dtype; with a branch (dropout, a row scale)
+    it is written without a residual too (`branch.h_dtype`)."""
     if residual_out_dtype is not None and (backward or residual_dtype is None):
         raise ValueError("residual_out_dtype: only a forward call with a residual writes residual_out")
+    if branch.on and not backward and residual_dtype is None:
+        residual_out_dtype = branch.h_dtype
+    flags = {}
+    if branch.dropout_p:
+        flags["dropout"] = True
+    if branch.rowscale:
+        flags["rowscale_dtype"] = rowscale_dtype
+    if branch.return_mask:
+        flags["dropout_mask"] = True
     return dict(hidden_size=hidden_size, input_dtype=input_dtype, output_dtype=output_dtype,
                 weight_dtype=weight_dtype or ABSENT_DTYPE, bias_dtype=bias_dtype or ABSENT_DTYPE,
                 residual_dtype=residual_dtype or ABSENT_DTYPE,
@@ -181,7 +195,7 @@ def call_base(*, rms: bool, backward: bool, hidden_size: int, input_dtype: str, 
                 has_weight=weight_dtype is not None, has_bias=bias_dtype is not None, rms=rms,
                 has_residual=residual_dtype is not None, zero_centered=zero_centered, backward=backward,
                 per_head=per_head, **({"from_output": True} if from_output else {}),
-                **({"quant": quant, "amax": amax} if quant != "none" else {}))
+                **({"quant": quant, "amax": amax} if quant != "none" else {}), **flags)
 
 
 def _scaling(y_dtype: str, x_dtype: str, n: int, O, S, scaling, return_amax) -> tuple:
@@ -218,7 +232,7 @@ def forward_args(rms, x, weight, bias, eps, residual, residual_dtype, zero_cente
     """Validates a forward call. Returns (args, on_gpu, base, eps, branch)."""
     args, on_gpu = arrays.take_all({"x": x}, {"weight": weight, "bias": bias, "residual": residual, "out": out,
                                               "scale": scale, "rowscale": rowscale})
-    branch = check_branch(args, dropout_p, seed, return_dropout_mask, on_gpu)
+    branch = check_branch(args, dropout_p, seed, return_dropout_mask, on_gpu, gpu_ok=True)
     X, W, B, R, O = (args[k] for k in FORWARD.arrays[:5])
     x_dtype = arrays.check_dtype(X)
     n = hidden_size(X)
@@ -241,7 +255,10 @@ def forward_args(rms, x, weight, bias, eps, residual, residual_dtype, zero_cente
                      weight_dtype=w_dtype if W is not None else None, bias_dtype=b_dtype if B is not None else None,
                      residual_dtype=res_dtype, residual_out_dtype=res_out_dtype,
                      zero_centered=_zero_centered(zero_centered_weight, W), per_head=per_head(W, B), quant=quant,
-                     amax=amax)
+                     amax=amax, branch=branch,
+                     rowscale_dtype=args["rowscale"].dtype_name if args["rowscale"] is not None else None)
+    if branch.on and (quant != "none" or base.get("from_output")):
+        raise ValueError("dropout_p / rowscale: not with an fp8 out_dtype (yet)")
     return args, on_gpu, base, check_eps(eps), branch
 
 

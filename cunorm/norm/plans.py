@@ -13,7 +13,7 @@ import numpy as np
 from .. import dispatch, dtypes, layout, plan
 from ..launch import CallPlan, Launch, Output, span
 from ..traits import QUANT_GROUP_COLS, Traits
-from .calls import BACKWARD, FORWARD, Direction
+from .calls import BACKWARD, BRANCH_ARRAYS, FORWARD, Direction
 
 class Family:
     """The normalization kernel family, for cunorm.plan."""
@@ -96,12 +96,20 @@ def _last_cta_finalize(p: Prepared, t: Traits, device_id: int, source: str | Non
 
 
 # The per-call scalars of a forward call: eps as float32 bits and as float64 bits (`norm.eps_scalars`); a
-# kernel takes eps in its compute type.
+# kernel takes eps in its compute type. With a branch, then the seed, the 32-bit dropout threshold and
+# 1 / (1 - p) as float32 and float64 bits (`norm._branch_bits`).
 EPS_SCALARS = ("eps", "eps64")
+BRANCH_SCALARS = ("seed", "drop_threshold", "keep_scale", "keep_scale64")
 
 
 def eps_slot(t: Traits) -> tuple:
     return ("f64", "eps64") if t.compute_dtype == "float64" else ("f32", "eps")
+
+
+def _branch_slots(t: Traits) -> list:
+    """The branch's kernel parameters: seed, threshold, keep scale (compute type), rowscale, keep mask."""
+    keep = ("f64", "keep_scale64") if t.compute_dtype == "float64" else ("f32", "keep_scale")
+    return [("i64", "seed"), ("u32", "drop_threshold"), keep, ("ptr", "rowscale"), ("ptr", "keep")]
 
 
 F32 = np.dtype(np.float32)
@@ -159,8 +167,8 @@ def _row_views(d: Direction, args: dict, outputs: dict, n: int, x_itemsize: int)
 
 def forward_prepare(args: dict, base: dict) -> Prepared:
     outputs = {"y" if args["out"] is None else "out": args["out"]}
-    if args["residual"] is not None:
-        outputs["residual_out"] = None
+    if args["residual"] is not None or base.get("dropout") or base.get("rowscale_dtype"):
+        outputs["residual_out"] = None  # h: with a residual, or after a branch
     p = prepare(FORWARD, args, outputs, base)
     if base.get("quant") == "group" and not (p.base["aligned_vector"] == p.base["max_vector"]
                                              and p.base["aligned_vector"] >= 4):
@@ -252,7 +260,7 @@ def forward_plan(args: dict, base: dict, traits, rms: bool, return_stats: bool, 
         outputs.append(Output("y", shape, dtypes.numpy_dtype(base["output_dtype"]), y_row.offset))
     else:
         picks.append(("arg", FORWARD.arrays.index("out")))
-    if R is not None:
+    if R is not None or t.branch:  # h
         picks.append(("made", len(outputs)))
         outputs.append(Output("residual_out", shape, dtypes.numpy_dtype(base["residual_out_dtype"]),
                               p.rows["residual_out"].offset))
@@ -264,6 +272,9 @@ def forward_plan(args: dict, base: dict, traits, rms: bool, return_stats: bool, 
         picks.append(("made", len(outputs)))
         outputs.append(Output("amax", (), F32))
         zeros.append("amax")
+    if t.dropout_mask:  # the keep mask, a byte an element, row-major over x's shape
+        picks.append(("made", len(outputs)))
+        outputs.append(Output("keep", shape, np.dtype(np.bool_)))
     if return_stats:
         stats_dtype = np.dtype(t.compute_dtype)
         for name in ("rstd",) if rms else ("mean", "rstd"):
@@ -281,10 +292,15 @@ def forward_plan(args: dict, base: dict, traits, rms: bool, return_stats: bool, 
             _ld(p.rows["residual"], t), _ld(y_row, t), _ld(p.rows.get("residual_out"), t), ("i64", w_stride),
             ("i64", b_stride), eps_slot(t)] + ([("i64", p.heads), ("i64", w_heads), ("i64", b_heads)]
                                                if t.per_head else [])
-            + ([("ptr", "scale"), ("ptr", "scales"), ("ptr", "amax")] if t.quant != "none" else [])))
-    return CallPlan(x.kind, device, FORWARD.arrays, tuple(launches), outputs=outputs, copies=copies, zeros=zeros,
+            + ([("ptr", "scale"), ("ptr", "scales"), ("ptr", "amax")] if t.quant != "none" else [])
+            + (_branch_slots(t) if t.branch else [])))
+    names = FORWARD.arrays + (BRANCH_ARRAYS if t.branch else ())
+    if t.branch and args["rowscale"] is not None and not args["rowscale"].array.c_contiguous:
+        copies.append("rowscale")  # read by row number
+    return CallPlan(x.kind, device, names, tuple(launches), outputs=outputs, copies=copies, zeros=zeros,
                     given_out=None if O is None else ("out", "y"), spans=_spans(FORWARD, args),
-                    full_overlap_check=_overlap_check(FORWARD, p.n), scalars=EPS_SCALARS, result=_picker(picks)), p
+                    full_overlap_check=_overlap_check(FORWARD, p.n),
+                    scalars=EPS_SCALARS + (BRANCH_SCALARS if t.branch else ()), result=_picker(picks)), p
 
 
 def backward_plan(args: dict, base: dict, traits, rms: bool, source: str | None = None) -> tuple:

@@ -101,9 +101,6 @@ def explain(op, *args, arch: int | str | None = None, **kwargs) -> Explanation:
         arch = plan.PREVIEW_ARCH if arch is None else arch_number(arch)
         reasons.append(f"numpy inputs run the float64 reference on the CPU; on an sm_{arch} GPU this call would "
                        f"run what follows")
-        if a["dropout_p"] or a["rowscale"] is not None:
-            reasons.append("dropout_p / rowscale: the numpy path alone applies them so far (a GPU call with them "
-                           "raises NotImplementedError); what follows is the kernel of the same call without them")
     if traits is None:
         gpu = device_gpu(dev) if on_gpu and arch == device_arch(dev) else None  # its tuned tables
         t, origin = dispatch.choose(arch=arch, gpu=gpu, **p.base)

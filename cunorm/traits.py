@@ -321,8 +321,7 @@ class Traits:
         rule(not self.dropout_mask or (self.dropout and not self.backward), "a dropout mask needs a forward's dropout")
         rule((self.dx0_dtype is not None) == (self.backward and self.branch),
              "dx0_dtype is given exactly for a backward with dropout or a row scale")
-        rule(not self.branch or (not self.from_output and self.quant == "none"),
-             "dropout and a row scale: not with from_output or fp8 outputs")
+        rule(not self.branch or self.quant == "none", "dropout and a row scale: not with fp8 outputs (yet)")
         fp8 = self.output_dtype in dtypes.FP8_NAMES and not self.backward
         rule(self.quant in QUANT_MODES, f"QUANT must be one of {', '.join(QUANT_MODES)}")
         rule(fp8 == (self.quant != "none"), "an fp8 output (forward) needs a scaling (quant), and only it has one")

@@ -27,6 +27,16 @@ constexpr bool FROM_OUTPUT = CN_FROM_OUTPUT;
 #define CN_LAST_CTA_FINALIZE ${LAST_CTA_FINALIZE}
 constexpr bool LAST_CTA_FINALIZE = CN_LAST_CTA_FINALIZE;
 static_assert(!LAST_CTA_FINALIZE || HAS_WEIGHT || HAS_BIAS, "LAST_CTA_FINALIZE needs column sums");
+// The forward's branch (dropout, a row scale before the residual add; see norm_fwd.cu): dx is h's
+// gradient (the residual's), and dx0 = dx * keep / (1 - p) * rowscale[row] the branch input's, the keep
+// mask drawn again from the seed (cn_keep_bits).
+#define CN_BRANCH ${BRANCH}
+constexpr bool BRANCH = CN_BRANCH;
+constexpr bool DROPOUT = ${DROPOUT};
+constexpr bool ROWSCALE = ${ROWSCALE};
+typedef ${ROWSCALE_T} rowscale_t;
+typedef ${DX0_T} dx0_t;
+static_assert(BRANCH == (DROPOUT || ROWSCALE), "BRANCH is DROPOUT or ROWSCALE");
 using AccVec = Vec<compute_t, ELTS_PER_LDG>;
 // Column-sum slots of a CTA in shared memory: [2 (dgamma, dbeta)][WARPS_M][LDGS][THREADS_PER_ROW]
 // vectors. Used by the accumulators themselves, or (in registers) to fold WARPS_M rows into one.
@@ -195,6 +205,10 @@ norm_bwd(const output_t* dy, const input_t* x, const residual_t* dresidual,
 #if CN_LAST_CTA_FINALIZE
          , unsigned* ticket, int parts, weight_t* __restrict__ dgamma, bias_t* __restrict__ dbeta
 #endif
+#if CN_BRANCH
+         , unsigned long long seed, unsigned drop_threshold, compute_t keep_scale,
+         const rowscale_t* __restrict__ rowscale, dx0_t* dx0, row_stride_t lddx0
+#endif
 ) {
 #if !CN_PER_HEAD
   constexpr long long heads = 1, gamma_head_stride = 0;
@@ -303,6 +317,20 @@ norm_bwd(const output_t* dy, const input_t* x, const residual_t* dresidual,
           InVec o;
           o.set_all(out);
           store_vec<decltype(edges)::value>(o, at.frame(dx, row, lddx), it, at);
+#if CN_BRANCH
+          {
+            const unsigned keep =
+                DROPOUT ? cn_keep_bits<ELTS_PER_LDG>(row * COLS + at.column(it, 0), seed, drop_threshold) : ~0u;
+            const compute_t by = (DROPOUT ? keep_scale : compute_t(1)) *
+                                 (ROWSCALE ? compute_t(to_float(rowscale[row])) : compute_t(1));
+            compute_t out0[ELTS_PER_LDG];
+#pragma unroll
+            for (int e = 0; e < ELTS_PER_LDG; ++e) out0[e] = (keep >> e) & 1u ? out[e] * by : compute_t(0);
+            Vec<dx0_t, ELTS_PER_LDG> o0;
+            o0.set_all(out0);
+            store_vec<decltype(edges)::value>(o0, at.frame(dx0, row, lddx0), it, at);
+          }
+#endif
         }
       });
     }

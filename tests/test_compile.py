@@ -149,16 +149,23 @@ def test_check_compile_only_takes_a_source(tmp_path):
 
 
 def test_branch_variants_compile():
-    """Dropout, a row scale and the keep mask (forward): aligned and general
-    rows, with and without a residual, every input width, spill-free on sm_90
-    and sm_80."""
+    """Dropout, a row scale and the keep mask (forward), dx0 (backward):
+    aligned and general rows, with and without a residual, every input
+    width, spill-free on sm_90 and sm_80."""
     cases = [dict(hidden_size=4096, input_dtype="bfloat16", dropout=True),
              dict(hidden_size=4096, input_dtype="bfloat16", dropout=True, dropout_mask=True, has_residual=True,
                   rowscale_dtype="float32"),
              dict(hidden_size=4097, input_dtype="float16", dropout=True, dropout_mask=True, has_residual=True,
                   residual_dtype="float32", rowscale_dtype="bfloat16", aligned_rows=False, bytes_per_ldg=2, stages=1),
              dict(hidden_size=1000, input_dtype="float64", rowscale_dtype="float64"),
-             dict(hidden_size=8192, input_dtype="float32", dropout=True, rms=True, has_bias=False)]
+             dict(hidden_size=8192, input_dtype="float32", dropout=True, rms=True, has_bias=False),
+             # the backwards: dx0 beside dx, with the one-launch sum, from y, general rows
+             dict(hidden_size=4096, input_dtype="bfloat16", backward=True, dropout=True, dx0_dtype="float32",
+                  rowscale_dtype="float32", has_residual=True, last_cta_finalize=True),
+             dict(hidden_size=1024, input_dtype="float16", backward=True, rowscale_dtype="float16", dx0_dtype="float16",
+                  from_output=True),
+             dict(hidden_size=4097, input_dtype="float32", backward=True, dropout=True, dx0_dtype="bfloat16",
+                  rms=True, has_bias=False)]
     for kw in cases:
         t = dispatch.choose(arch=90, **kw)[0] if "bytes_per_ldg" not in kw else Traits(**kw, warps_n=4)
         for arch in (90, 80):

@@ -165,6 +165,8 @@ def test_bad_branch_arguments_name_the_argument(rng):
             cunorm.layer_norm(x, dropout_p=0.1, seed=bad)
     with pytest.raises(ValueError, match="rowscale: shape"):
         cunorm.layer_norm(x, rowscale=np.ones(5, np.float32))
+    with pytest.raises(ValueError, match="dropout_p / rowscale: not with an fp8 out_dtype"):
+        cunorm.layer_norm(x, out_dtype="float8_e4m3fn", scaling="row", dropout_p=0.1, seed=1)
     with pytest.raises(ValueError, match="return_dropout_mask: only with dropout_p > 0"):
         cunorm.layer_norm(x, return_dropout_mask=True)
     _, mean, rstd = cunorm.layer_norm(x, return_stats=True)
@@ -174,17 +176,10 @@ def test_bad_branch_arguments_name_the_argument(rng):
         cunorm.layer_norm_backward(x, x, mean, rstd, dropout_p=0.5)
 
 
-def test_gpu_calls_with_a_branch_are_refused_naming_the_argument():
-    """Until the kernels apply them, GPU arrays with dropout_p or rowscale get
-    NotImplementedError naming the argument (such calls bypass the call
-    cache, so a cached plan never answers them: tests/test_gpu.py)."""
+def test_check_branch():
     from cunorm import arrays
 
     args = {"x": arrays.take(np.ones((4, 8), np.float32), "x"),
             "rowscale": arrays.take(np.ones(4, np.float32), "rowscale")}
-    with pytest.raises(NotImplementedError, match="dropout_p: the GPU kernels do not apply dropout"):
-        calls.check_branch(args, 0.1, 5, False, on_gpu=True)
-    with pytest.raises(NotImplementedError, match="rowscale: the GPU kernels"):
-        calls.check_branch(args, 0.0, None, False, on_gpu=True)
-    assert calls.check_branch(args, 0.1, 5, True, on_gpu=False) == calls.Branch(0.1, 5, True, True)
-    assert not calls.check_branch({"x": args["x"]}, 0.0, 9, False, on_gpu=True).on  # a seed alone: no branch
+    assert calls.check_branch(args, 0.1, 5, True) == calls.Branch(0.1, 5, True, True)
+    assert not calls.check_branch({"x": args["x"]}, 0.0, 9, False).on  # a seed alone: no branch

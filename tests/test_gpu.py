@@ -389,22 +389,6 @@ def test_per_thread_default_stream_takes_fresh_scratch(rng):
     assert not any(stream == launch.PER_THREAD_STREAM for _, _, stream in launch._arenas)
 
 
-def test_branch_backwards_are_refused_on_the_gpu_even_after_a_cached_call(rng):
-    """The backward's kernels do not apply dropout or a row scale yet: a GPU
-    call with them is refused naming the argument, also right after the same
-    arrays were planned and cached without them."""
-    import cupy
-
-    x = cupy.asarray(rng.standard_normal((8, 256)).astype(np.float32))
-    y, rstd = cunorm.rms_norm(x, return_stats=True)
-    cunorm.rms_norm_backward(x, x, rstd)
-    cunorm.rms_norm_backward(x, x, rstd)  # a cache hit
-    with pytest.raises(NotImplementedError, match="dropout_p: the GPU kernels"):
-        cunorm.rms_norm_backward(x, x, rstd, dropout_p=0.5, seed=2)
-    with pytest.raises(NotImplementedError, match="rowscale: the GPU kernels"):
-        cunorm.rms_norm_backward(x, x, rstd, rowscale=cupy.ones(8, np.float32))
-
-
 @pytest.mark.parametrize("op", ["layer_norm", "rms_norm"])
 @pytest.mark.parametrize("n, dtype, residual, rowscale, p, layout", [
     (4096, "bfloat16", "bfloat16", "float32", 0.25, "contiguous"),
@@ -443,3 +427,19 @@ def test_forward_branch_against_the_numpy_path(op, n, dtype, residual, rowscale,
     assert check.rel_l2(y, wy) < tol and check.rel_l2(h, wh) < check.tolerance(dtypes.name_of(h.dtype), dtype)
     for s, ws in zip(rest, wrest):
         assert check.rel_l2(s, ws) < max(tol, 1e-5)
+    # The backward: dx (h's gradient) and dx0 (the branch input's, the same mask drawn again) against numpy's.
+    dy = rng.standard_normal((rows, n)).astype(dt)
+    stats = rest[-1:] if op == "rms_norm" else rest[-2:]
+    wstats = wrest[-1:] if op == "rms_norm" else wrest[-2:]
+    bwd = getattr(cunorm, op + "_backward")
+    bkw = dict(dropout_p=p, seed=seed if p else None, dx0_dtype="float32")
+    want = bwd(dy, wh, *wstats, host["weight"], rowscale=host.get("rowscale"), **bkw)
+    with check.poisoned_allocations():
+        got = bwd(cupy.asarray(dy), h, *stats, cupy.asarray(host["weight"]),
+                  rowscale=None if rowscale is None else cupy.asarray(host["rowscale"]), **bkw)
+    assert len(got) == len(want) and got[1].dtype == np.float32
+    for g, w_ in zip(got, want):
+        if w_ is not None:
+            assert check.rel_l2(g, w_) < max(check.tolerance(dtypes.name_of(g.dtype), dtype), 1e-5)
+    if p:  # dropped elements get exactly 0
+        assert bool((got[1][~cupy.asarray(wkeep)] == 0).all())

@@ -13,7 +13,7 @@ from .. import arrays, plan
 from ..launch import f32_bits, f64_bits
 from ..source import check_source
 from . import calls, cpu, plans
-from .calls import BACKWARD, call_base  # noqa: F401  (call_base: the checker's dispatch fields)
+from .calls import call_base  # noqa: F401  (call_base: the checker's dispatch fields)
 
 
 def _objs_and_ptrs(args: dict, names: tuple) -> tuple:
@@ -69,7 +69,7 @@ def _forward_call(rms, x, weight, bias, eps, residual, residual_dtype, zero_cent
                   out_dtype, out, traits, source, scale=None, scaling=None, return_amax=False, branch=None):
     """A forward call: its cached plan, or `_forward`. (Positional arguments: the hit path is counted in µs.)
     `branch`: (dropout_p, seed, rowscale, return_dropout_mask) where any is given; such calls are not cached
-    (the numpy path alone runs them so far)."""
+    yet (validated and planned every time)."""
     if branch is not None:
         return _forward(rms, None, None, x, weight, bias, eps, residual, residual_dtype, zero_centered_weight,
                         return_stats, out_dtype, out, traits, source, scale, scaling, return_amax, branch)
@@ -122,7 +122,7 @@ def _backward(rms, key, dy, x, mean, rstd, weight, has_bias, bias_dtype, dresidu
     with plan.on_device(args["x"].array.device_id):
         call, _ = plans.backward_plan(args, base, traits, rms, source)
     plan.remember(key, call)
-    return call.run(*_objs_and_ptrs(args, BACKWARD.arrays))
+    return call.run(*_objs_and_ptrs(args, call.names), _branch_bits(branch) if branch.on else ())
 
 
 def layer_norm(x, weight=None, bias=None, eps=1e-5, *, residual=None, residual_dtype=None,
@@ -162,8 +162,8 @@ def layer_norm(x, weight=None, bias=None, eps=1e-5, *, residual=None, residual_d
     arrays uint8 arrays holding the fp8 bits (CuPy has no fp8 dtype), numpy
     arrays ml_dtypes float8 arrays.
 
-    Dropout and a row scale on the branch (numpy arrays only so far; GPU
-    arrays get NotImplementedError): h = x * rowscale * keep / (1 - dropout_p)
+    Dropout and a row scale on the branch before the residual add (such
+    calls skip the call cache so far): h = x * rowscale * keep / (1 - dropout_p)
     [+ residual], rowscale of shape x.shape[:-1], keep drawn with probability
     1 - dropout_p from `seed` (an int; Philox4x32-10, counter-based, so the
     backward draws the same mask from the same seed: `reference.dropout_keep`
@@ -214,8 +214,8 @@ def layer_norm_backward(dy, x=None, mean=None, rstd=None, weight=None, *, y=None
     where the weight is near zero (xhat carries y's rounding divided by it);
     a zero multiplier gives xhat = 0 (lost: y = bias there).
 
-    After a forward with dropout or a row scale (numpy arrays only so far):
-    pass its residual_out as x and the same dropout_p, seed and rowscale;
+    After a forward with dropout or a row scale: pass its residual_out as x
+    and the same dropout_p, seed and rowscale;
     the result gains dx0, the gradient of the branch input, after dx (which
     is h's gradient: the residual's), in `dx0_dtype` (default x's dtype):
     (dx, dx0, dweight, dbias).

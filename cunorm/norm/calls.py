@@ -32,7 +32,7 @@ SCALINGS = ("tensor", "row", "group")  # fp8 output scalings (traits.QUANT_MODES
 # The backward's "x" is y, the forward's output, in the memory-efficient form (`from_output`), which also
 # reads the forward's bias.
 BACKWARD = Direction(("dy", "x", "mean", "rstd", "weight", "dresidual", "out", "bias"), ("x", "dy", "dresidual"),
-                     ("weight", "mean", "rstd", "bias"), {"out": ("dy", "dresidual")})
+                     ("weight", "mean", "rstd", "bias", "rowscale"), {"out": ("dy", "dresidual")})
 
 
 def hidden_size(x: arrays.Arg) -> int:
@@ -74,10 +74,8 @@ class Branch:
 NO_BRANCH = Branch()
 
 
-def check_branch(args: dict, dropout_p, seed, return_mask: bool, on_gpu: bool, x_name: str = "x",
-                 gpu_ok: bool = False) -> Branch:
-    """Validates dropout_p (None: 0), seed, rowscale (args["rowscale"]) and return_dropout_mask; `gpu_ok`:
-    whether the kernels of this direction apply them (else GPU arrays are refused)."""
+def check_branch(args: dict, dropout_p, seed, return_mask: bool, x_name: str = "x") -> Branch:
+    """Validates dropout_p (None: 0), seed, rowscale (args["rowscale"]) and return_dropout_mask."""
     if dropout_p is None:
         dropout_p = 0.0
     if isinstance(dropout_p, (str, bytes, bool)) or np.ndim(dropout_p) != 0:
@@ -100,12 +98,7 @@ def check_branch(args: dict, dropout_p, seed, return_mask: bool, on_gpu: bool, x
     if R is not None:
         arrays.check_dtype(R)
         arrays.check_shape(R, tuple(X.array.shape[:-1]), f"{X.name}.shape[:-1] (a scale per row)")
-    branch = Branch(p, int(seed or 0), R is not None, bool(return_mask))
-    if branch.on and on_gpu and not gpu_ok:
-        given = "dropout_p" if p else "rowscale"
-        raise NotImplementedError(f"{given}: the GPU kernels do not apply dropout or a row scale yet; numpy arrays "
-                                  f"run the float64 reference with them")
-    return branch
+    return Branch(p, int(seed or 0), R is not None, bool(return_mask))
 
 
 def _vector_arg(a, n: int, x_shape: tuple | None = None) -> str:
@@ -232,7 +225,7 @@ def forward_args(rms, x, weight, bias, eps, residual, residual_dtype, zero_cente
     """Validates a forward call. Returns (args, on_gpu, base, eps, branch)."""
     args, on_gpu = arrays.take_all({"x": x}, {"weight": weight, "bias": bias, "residual": residual, "out": out,
                                               "scale": scale, "rowscale": rowscale})
-    branch = check_branch(args, dropout_p, seed, return_dropout_mask, on_gpu, gpu_ok=True)
+    branch = check_branch(args, dropout_p, seed, return_dropout_mask)
     X, W, B, R, O = (args[k] for k in FORWARD.arrays[:5])
     x_dtype = arrays.check_dtype(X)
     n = hidden_size(X)
@@ -257,7 +250,7 @@ def forward_args(rms, x, weight, bias, eps, residual, residual_dtype, zero_cente
                      zero_centered=_zero_centered(zero_centered_weight, W), per_head=per_head(W, B), quant=quant,
                      amax=amax, branch=branch,
                      rowscale_dtype=args["rowscale"].dtype_name if args["rowscale"] is not None else None)
-    if branch.on and (quant != "none" or base.get("from_output")):
+    if branch.on and quant != "none":
         raise ValueError("dropout_p / rowscale: not with an fp8 out_dtype (yet)")
     return args, on_gpu, base, check_eps(eps), branch
 
@@ -288,7 +281,7 @@ def backward_args(rms, dy, x, mean, rstd, weight, has_bias, bias_dtype, dresidua
                                                   "rowscale": rowscale})
         args.setdefault("mean", None)
         args["bias"] = None
-    branch = check_branch(args, dropout_p, seed, False, on_gpu)
+    branch = check_branch(args, dropout_p, seed, False)
     if dx0_dtype is not None and not branch.on:
         raise ValueError("dx0_dtype: only with dropout_p or rowscale (the branch input's gradient)")
     X, DY, W, DR, O = (args[k] for k in ("x", "dy", "weight", "dresidual", "out"))
@@ -323,6 +316,9 @@ def backward_args(rms, dy, x, mean, rstd, weight, has_bias, bias_dtype, dresidua
                      weight_dtype=w_dtype if W is not None else None, bias_dtype=b_dtype,
                      residual_dtype=DR.dtype_name if DR is not None else None,
                      zero_centered=_zero_centered(zero_centered_weight, W), per_head=per_head(W, B),
-                     from_output=from_output)
+                     from_output=from_output, branch=branch,
+                     rowscale_dtype=args["rowscale"].dtype_name if args["rowscale"] is not None else None)
     dx0 = _dtype_arg("dx0_dtype", dx0_dtype, x_dtype) if branch.on else None
+    if branch.on:
+        base["dx0_dtype"] = dx0
     return args, on_gpu, base, branch, dx0

@@ -107,9 +107,10 @@ def eps_slot(t: Traits) -> tuple:
 
 
 def _branch_slots(t: Traits) -> list:
-    """The branch's kernel parameters: seed, threshold, keep scale (compute type), rowscale, keep mask."""
+    """The branch's kernel parameters both directions take: seed, threshold, keep scale (compute type),
+    rowscale."""
     keep = ("f64", "keep_scale64") if t.compute_dtype == "float64" else ("f32", "keep_scale")
-    return [("i64", "seed"), ("u32", "drop_threshold"), keep, ("ptr", "rowscale"), ("ptr", "keep")]
+    return [("i64", "seed"), ("u32", "drop_threshold"), keep, ("ptr", "rowscale")]
 
 
 F32 = np.dtype(np.float32)
@@ -178,7 +179,10 @@ def forward_prepare(args: dict, base: dict) -> Prepared:
 
 
 def backward_prepare(args: dict, base: dict) -> Prepared:
-    return prepare(BACKWARD, args, {"dx" if args["out"] is None else "out": args["out"]}, base)
+    outputs = {"dx" if args["out"] is None else "out": args["out"]}
+    if base.get("dx0_dtype"):  # after a branch: the branch input's gradient too
+        outputs["dx0"] = None
+    return prepare(BACKWARD, args, outputs, base)
 
 
 def _weight_layout(a, t: Traits) -> tuple:
@@ -293,7 +297,7 @@ def forward_plan(args: dict, base: dict, traits, rms: bool, return_stats: bool, 
             ("i64", b_stride), eps_slot(t)] + ([("i64", p.heads), ("i64", w_heads), ("i64", b_heads)]
                                                if t.per_head else [])
             + ([("ptr", "scale"), ("ptr", "scales"), ("ptr", "amax")] if t.quant != "none" else [])
-            + (_branch_slots(t) if t.branch else [])))
+            + (_branch_slots(t) + [("ptr", "keep")] if t.branch else [])))
     names = FORWARD.arrays + (BRANCH_ARRAYS if t.branch else ())
     if t.branch and args["rowscale"] is not None and not args["rowscale"].array.c_contiguous:
         copies.append("rowscale")  # read by row number
@@ -317,6 +321,9 @@ def backward_plan(args: dict, base: dict, traits, rms: bool, source: str | None 
         outputs.append(Output("dx", tuple(x.shape), x.dtype, dx_row.offset))
     else:
         picks.append(("arg", BACKWARD.arrays.index("out")))
+    if t.branch:  # dx0, the branch input's gradient, after dx
+        picks.append(("made", len(outputs)))
+        outputs.append(Output("dx0", tuple(x.shape), dtypes.numpy_dtype(t.dx0_dtype), p.rows["dx0"].offset))
     # RMSNorm returns (dx, dweight), and dbias only when it had a bias; LayerNorm always (dx, dweight, dbias).
     for name, present, dtype in (("dweight", t.has_weight, base["weight_dtype"]),
                                  ("dbias", t.has_bias, base["bias_dtype"]))[:1 if rms and not t.has_bias else 2]:
@@ -354,7 +361,8 @@ def backward_plan(args: dict, base: dict, traits, rms: bool, source: str | None 
             _ld(p.rows["x"], t), _ld(p.rows["dy"], t), _ld(p.rows["dresidual"], t), _ld(dx_row, t),
             ("i64", w_stride)] + ([("i64", p.heads), ("i64", w_heads)] if t.per_head else [])
             + ([("ptr", "bias"), ("i64", b_stride), ("i64", b_heads)] if t.from_output else [])
-            + ([("ptr", "control"), ("i32", parts), ("ptr", "dweight"), ("ptr", "dbias")] if fused else [])))
+            + ([("ptr", "control"), ("i32", parts), ("ptr", "dweight"), ("ptr", "dbias")] if fused else [])
+            + (_branch_slots(t) + [("ptr", "dx0"), _ld(p.rows["dx0"], t)] if t.branch else [])))
         if sums and fused is None:
             fin = kernels["norm_bwd_finalize"]
             launches.append(Launch(fin, -(-n // t.finalize_cols_per_cta) * p.heads, [
@@ -362,7 +370,10 @@ def backward_plan(args: dict, base: dict, traits, rms: bool, source: str | None 
                 ("ptr", "dbias")] + ([("i32", p.heads)] if t.per_head else [])))
     else:  # no rows: empty dx, and the column sums of nothing are zero
         zeros = [o.name for o in outputs if o.name in ("dweight", "dbias")]
-    return CallPlan(x.kind, device, BACKWARD.arrays, tuple(launches), anchor="x", outputs=outputs, scratch=scratch,
-                    copies=copies, zeros=zeros, given_out=None if O is None else ("out", "dx"),
-                    spans=_spans(BACKWARD, args), full_overlap_check=_overlap_check(BACKWARD, p.n),
-                    result=_picker(picks)), p
+    if t.branch and args["rowscale"] is not None and not args["rowscale"].array.c_contiguous:
+        copies.append("rowscale")  # read by row number
+    return CallPlan(x.kind, device, BACKWARD.arrays + (BRANCH_ARRAYS if t.branch else ()), tuple(launches),
+                    anchor="x", outputs=outputs, scratch=scratch, copies=copies, zeros=zeros,
+                    given_out=None if O is None else ("out", "dx"), spans=_spans(BACKWARD, args),
+                    full_overlap_check=_overlap_check(BACKWARD, p.n),
+                    scalars=BRANCH_SCALARS if t.branch else (), result=_picker(picks)), p

@@ -161,6 +161,8 @@ def case_call(case: Case) -> dict:
 
     n, m = case.hidden_size, case.rows
     res = case.residual_dtype
+    branch = norm.calls.Branch(case.dropout_p, 0, case.rowscale_dtype is not None,
+                               case.dropout_p > 0 and not case.backward, None if res else case.dtype)
     base = norm.call_base(rms=case.rms, backward=case.backward, hidden_size=n, input_dtype=case.dtype,
                           output_dtype=case.out_dtype or case.dtype,
                           weight_dtype=case.weight_dtype if case.has_weight else None,
@@ -168,7 +170,10 @@ def case_call(case: Case) -> dict:
                           residual_dtype=res, residual_out_dtype=None if case.backward else case.residual_out_dtype,
                           zero_centered=case.zero_centered,
                           per_head=case.per_head and (case.has_weight or (case.has_bias and not case.backward)),
-                          from_output=case.from_output, quant=case.scaling or "none", amax=case.return_amax)
+                          from_output=case.from_output, quant=case.scaling or "none", amax=case.return_amax,
+                          branch=branch, rowscale_dtype=case.rowscale_dtype)
+    if branch.on and case.backward:
+        base["dx0_dtype"] = case.dtype
     inputs = ["x"] + (["dy"] if case.backward else []) + (["residual"] if res is not None else [])
     if case.heads:  # leading axes [2, S, heads]: three-axis rows where a layout does not merge them
         named = {t: _layout_tensor(case.layout_of(t), case.lead, n, case.dtype) for t in inputs}
@@ -188,8 +193,10 @@ def case_call(case: Case) -> dict:
     if not case.in_place:
         given = case.layout_of("out")
         rows.append(layout.fresh_rows("out", m, n, mirrored) if given is None else _layout_rows("out", given, m, n))
-    if res is not None and not case.backward:
+    if (res is not None or branch.on) and not case.backward:
         rows.append(layout.fresh_rows("residual_out", m, n, mirrored))
+    if branch.on and case.backward:
+        rows.append(layout.fresh_rows("dx0", m, n, mirrored))
     max_vector, aligned_vector = layout.vector_widths(rows, n, dtypes.itemsize(case.dtype))
     return dict(base, max_vector=max_vector, aligned_vector=aligned_vector)
 
@@ -384,7 +391,8 @@ def _run_forward(case: Case, rng, source=None) -> list:
 
     x, w, b, r = _inputs(case, rng)
     eps = 1e-5
-    h = reference.add_residual(x, r)
+    branch = _branch_inputs(case, x, rng)
+    h = reference.add_residual(x if branch is None else branch["x0"], r)
     zc = case.zero_centered
     if case.rms:
         y_ref, rstd_ref = reference.rms_norm(h, w, eps, bias=b, zero_centered_weight=zc)
@@ -398,6 +406,8 @@ def _run_forward(case: Case, rng, source=None) -> list:
                   source=source)
     if r is not None and case.residual_out_dtype is not None:
         kwargs["residual_dtype"] = case.residual_out_dtype
+    if branch is not None:
+        kwargs.update(branch["kwargs"], return_dropout_mask=case.dropout_p > 0)
     if fp8:
         kwargs.update(scaling=case.scaling, return_amax=case.return_amax)
         if case.scaling == "tensor":  # saturates some values: up to 1.5x the range's worth of |y| past it
@@ -415,18 +425,44 @@ def _run_forward(case: Case, rng, source=None) -> list:
     results += _untouched_outside(case, kwargs["out"])
     if kwargs["out"] is not None and y is not kwargs["out"]:
         results.append(Result(case, "y is out", float("inf"), 0.0))
-    if r is not None:
-        ro_dtype = case.residual_out_dtype or case.residual_dtype
+    if r is not None or branch is not None:
+        ro_dtype = case.residual_out_dtype or case.residual_dtype or case.dtype
         ro = got.pop(0)
         results.append(Result(case, "residual_out", rel_l2(ro, h), tolerance(ro_dtype, case.dtype)))
         if dtypes.name_of(ro.dtype) != ro_dtype:
             results.append(Result(case, f"residual_out dtype {ro.dtype}", float("inf"), 0.0))
+    if branch is not None and case.dropout_p > 0:  # the keep mask, bit for bit
+        keep = got.pop(0)
+        wrong = float((keep != branch["keep"]).mean()) if keep.shape == branch["keep"].shape else float("inf")
+        results.append(Result(case, "keep mask", wrong, 0.0))
     stats_dtype = dtypes.compute_dtype(case.dtype)
     for (name, ref), value in zip(stats_ref, got):
         results.append(Result(case, name, rel_l2(value, ref), TOLERANCE[stats_dtype]))
         if dtypes.name_of(value.dtype) != stats_dtype:
             results.append(Result(case, f"{name} dtype {value.dtype}", float("inf"), 0.0))
     return results
+
+
+def _branch_inputs(case: Case, x, rng):
+    """None without dropout or a row scale; else the branch's op arguments (kwargs: dropout_p, a seed drawn
+    from rng, rowscale), its float64 result x0 = x * rowscale * keep / (1 - p), and the keep mask (CuPy)."""
+    import cupy
+
+    if not case.dropout_p and case.rowscale_dtype is None:
+        return None
+    g = _gpu_rng(rng)
+    rs = None
+    if case.rowscale_dtype is not None:
+        rs = (g.uniform(0.5, 2.0, case.lead)).astype(dtypes.numpy_dtype(case.rowscale_dtype))
+    seed = int(rng.integers(2**63)) * 2 + 1 if case.dropout_p else None  # high key bits set
+    x0 = reference._f64(x)
+    if rs is not None:
+        x0 = x0 * reference._f64(rs)[..., None]
+    keep = None
+    if case.dropout_p:
+        keep = cupy.asarray(reference.dropout_keep(x.shape, case.dropout_p, seed))
+        x0 = cupy.where(keep, x0 / (1.0 - case.dropout_p), 0.0)
+    return {"kwargs": dict(dropout_p=case.dropout_p, seed=seed, rowscale=rs), "x0": x0, "keep": keep, "rs": rs}
 
 
 def _untouched_outside(case: Case, out) -> list:
@@ -529,6 +565,9 @@ def _run_backward(case: Case, rng, source=None) -> list:
     eps = 1e-5
     kwargs = dict(dresidual=dres, zero_centered_weight=zc, out=dy if case.in_place else _given_out(case, case.dtype),
                   source=source)
+    branch = _branch_inputs(case, x, rng)  # x stands for h here: the mask and row scale act on dx0 alone
+    if branch is not None:
+        kwargs.update(branch["kwargs"])
     if case.from_output:
         # The op's inputs: y from the float64 forward in x's dtype and layout, its statistics rounded; the
         # reference is the float64 backward of those very inputs.
@@ -567,7 +606,14 @@ def _run_backward(case: Case, rng, source=None) -> list:
                                       **kwargs)
         names = ("dx", "dweight", "dbias")
     tol = {"dx": tolerance(case.dtype, case.dtype), "dweight": tolerance(case.weight_dtype, case.dtype),
-           "dbias": tolerance(case.bias_dtype or case.weight_dtype, case.dtype)}
+           "dbias": tolerance(case.bias_dtype or case.weight_dtype, case.dtype), "dx0": tolerance(case.dtype, case.dtype)}
+    dx0_scale = 0.0
+    if branch is not None:  # dx0 after dx: dx * keep / (1 - p) * rowscale (up to 2 here)
+        dx0_scale = dx_scale / (1.0 - case.dropout_p) * (2.0 if branch["rs"] is not None else 1.0)
+        names = (names[0], "dx0", *names[1:])
+        if len(got) != len(names):
+            return [Result(case, f"{len(got)} results, not {len(names)}", float("inf"), 0.0)]
+        refs = (refs[0], reference.branch_grad(refs[0], branch["keep"], case.dropout_p, branch["rs"]), *refs[1:])
     results = []
     for name, value, ref in zip(names, got, refs):
         present = {"dweight": case.has_weight, "dbias": case.has_bias}.get(name, True)
@@ -575,7 +621,8 @@ def _run_backward(case: Case, rng, source=None) -> list:
             if value is not None:
                 results.append(Result(case, f"{name} (absent)", float("inf"), 0.0))
             continue
-        results.append(Result(case, name, rel_l2(value, ref, dx_scale if name == "dx" else 0.0), tol[name]))
+        floor = {"dx": dx_scale, "dx0": dx0_scale}.get(name, 0.0)
+        results.append(Result(case, name, rel_l2(value, ref, floor), tol[name]))
     if case.in_place and got[0] is not dy:
         results.append(Result(case, "dx is dy", float("inf"), 0.0))
     results += _untouched_outside(case, kwargs["out"])

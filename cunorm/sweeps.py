@@ -72,6 +72,8 @@ class Case:
     from_output: bool = False  # the memory-efficient backward: from the forward's output y (and its bias)
     scaling: str | None = None  # an fp8 out_dtype's scaling: "tensor", "row" or "group"
     return_amax: bool = False  # (fp8) the call's amax too
+    dropout_p: float = 0.0  # dropout on the branch before the residual add (a seed drawn per run)
+    rowscale_dtype: str | None = None  # a row scale of this dtype on that branch
 
     def label(self) -> str:
         if self.op == "attention_delta":
@@ -91,7 +93,9 @@ class Case:
                   (f"bias@{self.bias_layout}", self.bias_layout not in (None, self.weight_layout)),
                   ("in-place", self.in_place), (f"heads={self.heads}", self.heads > 0),
                   ("per-head-weights", self.per_head), ("from-output", self.from_output),
-                  (f"scaling={self.scaling}", self.scaling is not None), ("amax", self.return_amax)]
+                  (f"scaling={self.scaling}", self.scaling is not None), ("amax", self.return_amax),
+                  (f"dropout={self.dropout_p}", self.dropout_p > 0),
+                  (f"rowscale={self.rowscale_dtype}", self.rowscale_dtype is not None)]
         flags = "".join(f" {text}" for text, on in extras if on)
         return f"{self.op} N={self.hidden_size} M={self.rows} x={self.dtype} w={self.weight_dtype}{flags}"
 
@@ -196,6 +200,26 @@ def flag_cases(sizes=None, rows=(37,), dtypes_=dtypes.NAMES) -> list:
             cases += from_output_cases(op)
         else:
             cases += fp8_cases(op)
+        cases += branch_cases(op, rows)
+    return cases
+
+
+def branch_cases(op: str, rows=(37,)) -> list:
+    """Dropout and a row scale before the residual add: with and without a residual, aligned, general and
+    offset rows, the one-launch and two-launch backwards (few and many rows), fp32/fp16/bf16/fp64 x."""
+    rms = op.startswith("rms")
+    cases = []
+    for n, x, res, p, scale, layout in (
+            (4096, "bfloat16", "bfloat16", 0.1, "float32", "contiguous"),
+            (4096, "bfloat16", None, 0.5, None, "contiguous"),
+            (1024, "float16", "float32", 0.0, "float16", "contiguous"),
+            (4097, "float32", "float32", 0.25, "bfloat16", "contiguous"),
+            (1000, "bfloat16", "bfloat16", 0.3, None, "offset:5"),
+            (768, "float64", "float64", 0.2, "float64", "contiguous"),
+            (16384, "bfloat16", "bfloat16", 0.1, "float32", "contiguous")):
+        for m in (*rows, 1024):
+            cases.append(Case(op, n, m, x, x, has_bias=not rms, residual_dtype=res, dropout_p=p,
+                              rowscale_dtype=scale, layout=layout))
     return cases
 
 

@@ -266,7 +266,7 @@ def test_cached_out_rechecks_overlap_as_the_first_call(backward, fake_gpu):
     first_objs = objs_of(np.zeros((64, n), np.float32))
     prepare(args_of(first_objs), base)
     role = "dx" if backward else "y"
-    call = CallPlan(_FakeKind, 0, d.arrays, (), given_out=("out", role), spans=plans._spans(d, args_of(first_objs)),
+    call = CallPlan(_FakeKind, 0, d.arrays, (), given_out=("out", role), spans=plans._spans(d.arrays, args_of(first_objs)),
                     full_overlap_check=plans._overlap_check(d, n), result=lambda objs, made: objs[-1])
     ptrs = lambda objs: [None if o is None else o.a.ctypes.data for o in objs]  # noqa: E731
     overlapping = [buf[1:], w_buf] + ([buf[:64], stats.reshape(-1)[:n * 2].reshape(2, n)] if backward else [])

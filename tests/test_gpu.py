@@ -443,3 +443,29 @@ def test_forward_branch_against_the_numpy_path(op, n, dtype, residual, rowscale,
             assert check.rel_l2(g, w_) < max(check.tolerance(dtypes.name_of(g.dtype), dtype), 1e-5)
     if p:  # dropped elements get exactly 0
         assert bool((got[1][~cupy.asarray(wkeep)] == 0).all())
+
+
+def test_branch_calls_are_cached_and_their_per_call_values_checked(rng):
+    """A repeated call with dropout hits its cached plan (another seed, another
+    p: per-call values, the mask drawn anew), dropout_p is checked on every
+    call, and out= over the rowscale of a cache hit is refused."""
+    import cupy
+
+    from cunorm import plan
+
+    x = cupy.asarray((rng.standard_normal((64, 1024)) + 1).astype(np.float32))
+    rs = cupy.asarray(rng.uniform(0.5, 2, 64).astype(np.float32))
+    cunorm.layer_norm(x, rowscale=rs, dropout_p=0.1, seed=1)
+    planned = len(plan.CALLS)
+    for p, seed in ((0.1, 2), (0.4, 2**63 + 5)):
+        y, h = cunorm.layer_norm(x, rowscale=rs, dropout_p=p, seed=seed)
+        want = cunorm.layer_norm(x.get(), rowscale=rs.get(), dropout_p=p, seed=seed)
+        assert check.rel_l2(h, want[1]) < 1e-6 and check.rel_l2(y, want[0]) < 1e-5
+    assert len(plan.CALLS) == planned
+    with pytest.raises(ValueError, match=r"dropout_p: must be in \[0, 1\)"):
+        cunorm.layer_norm(x, rowscale=rs, dropout_p=1.5, seed=2)
+    buf = cupy.zeros(64 * 1024 + 64, np.float32)
+    out = buf[64:].reshape(64, 1024)
+    cunorm.layer_norm(x, rowscale=cupy.ones(64, np.float32), dropout_p=0.1, seed=3, out=out)
+    with pytest.raises(ValueError, match="out: shares memory with rowscale"):
+        cunorm.layer_norm(x, rowscale=buf[64:128], dropout_p=0.1, seed=3, out=out)

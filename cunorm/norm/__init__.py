@@ -68,10 +68,22 @@ def _check_as_on_gpu(prepare, args: dict, base: dict, traits, source=None):
 def _forward_call(rms, x, weight, bias, eps, residual, residual_dtype, zero_centered_weight, return_stats,
                   out_dtype, out, traits, source, scale=None, scaling=None, return_amax=False, branch=None):
     """A forward call: its cached plan, or `_forward`. (Positional arguments: the hit path is counted in µs.)
-    `branch`: (dropout_p, seed, rowscale, return_dropout_mask) where any is given; such calls are not cached
-    yet (validated and planned every time)."""
+    `branch`: (dropout_p, seed, rowscale, return_dropout_mask) where any is given: keyed apart, with the
+    rowscale among the arrays, whether there is dropout and the mask among the flags; the per-call values
+    (dropout_p, seed) are checked on every call (`_branch_call_bits`)."""
     if branch is not None:
-        return _forward(rms, None, None, x, weight, bias, eps, residual, residual_dtype, zero_centered_weight,
+        p, seed, rowscale, return_mask = branch
+        branch_bits = _branch_call_bits(p, seed)
+        if branch_bits is None:  # not plain numbers: the full checks say why, or take them
+            return _forward(rms, None, None, x, weight, bias, eps, residual, residual_dtype, zero_centered_weight,
+                            return_stats, out_dtype, out, traits, source, scale, scaling, return_amax, branch)
+        values = (x, weight, bias, residual, out, scale, rowscale)
+        key, ptrs = _call_key(values, (rms, residual_dtype, zero_centered_weight, return_stats, out_dtype, scaling,
+                                       return_amax, source, "branch", p > 0, bool(return_mask), traits))
+        hit = _CALLS.get(key)
+        if hit is not None:
+            return hit.run(values, ptrs, _eps_bits(eps) + branch_bits)
+        return _forward(rms, key, ptrs, x, weight, bias, eps, residual, residual_dtype, zero_centered_weight,
                         return_stats, out_dtype, out, traits, source, scale, scaling, return_amax, branch)
     values = (x, weight, bias, residual, out, scale)
     key, ptrs = _call_key(values, (rms, residual_dtype, zero_centered_weight, return_stats, out_dtype, scaling,
@@ -102,6 +114,16 @@ def _forward(rms, key, ptrs, x, weight, bias, eps, residual, residual_dtype, zer
     return call.run(*_objs_and_ptrs(args, call.names), bits)
 
 
+def _branch_call_bits(p, seed):
+    """`_branch_bits` of plain per-call values (a float or int dropout_p in [0, 1), an int seed below 2^64
+    where p > 0), or None: anything else takes the full checks (`calls.check_branch`)."""
+    if p.__class__ not in (float, int) or not 0 <= p < 1:
+        return None
+    if p and (seed.__class__ is not int or not 0 <= seed < 2**64):
+        return None
+    return _branch_bits(calls.Branch(float(p), int(seed or 0)))
+
+
 def _branch_bits(branch) -> tuple:
     """The per-call scalars of a branch (`plans.BRANCH_SCALARS`): the seed, the dropout threshold, and
     1 / (1 - p) as float32 and float64 bits."""
@@ -123,6 +145,24 @@ def _backward(rms, key, dy, x, mean, rstd, weight, has_bias, bias_dtype, dresidu
         call, _ = plans.backward_plan(args, base, traits, rms, source)
     plan.remember(key, call)
     return call.run(*_objs_and_ptrs(args, call.names), _branch_bits(branch) if branch.on else ())
+
+
+def _backward_branch(rms, dy, x, mean, rstd, weight, has_bias, bias_dtype, dresidual, zero_centered_weight, out,
+                     traits, source, y, bias, branch):
+    """A backward after a forward with a branch: keyed apart as the forward's (`_forward_call`)."""
+    p, seed, rowscale, dx0_dtype = branch
+    branch_bits = _branch_call_bits(p, seed)
+    if branch_bits is None:
+        return _backward(rms, None, dy, x, mean, rstd, weight, has_bias, bias_dtype, dresidual, zero_centered_weight,
+                         out, traits, source, y, bias, branch)
+    values = (dy, x if y is None else y, mean, rstd, weight, dresidual, out, bias, rowscale)
+    key, ptrs = _call_key(values, (3 if rms else 2, has_bias, bias_dtype, zero_centered_weight, y is None, source,
+                                   "branch", p > 0, dx0_dtype, traits))
+    hit = _CALLS.get(key)
+    if hit is not None:
+        return hit.run(values, ptrs, branch_bits)
+    return _backward(rms, key, dy, x, mean, rstd, weight, has_bias, bias_dtype, dresidual, zero_centered_weight,
+                     out, traits, source, y, bias, branch)
 
 
 def layer_norm(x, weight=None, bias=None, eps=1e-5, *, residual=None, residual_dtype=None,
@@ -222,8 +262,8 @@ def layer_norm_backward(dy, x=None, mean=None, rstd=None, weight=None, *, y=None
     """
     branch = _branch(dropout_p, seed, rowscale, False)
     if branch is not None or dx0_dtype is not None:
-        return _backward(False, None, dy, x, mean, rstd, weight, has_bias, bias_dtype, dresidual, zero_centered_weight,
-                         out, traits, source, y, bias, (dropout_p, seed, rowscale, dx0_dtype))
+        return _backward_branch(False, dy, x, mean, rstd, weight, has_bias, bias_dtype, dresidual, zero_centered_weight,
+                                out, traits, source, y, bias, (dropout_p, seed, rowscale, dx0_dtype))
     values = (dy, x if y is None else y, mean, rstd, weight, dresidual, out, bias)
     key, ptrs = _call_key(values, (2, has_bias, bias_dtype, zero_centered_weight, y is None, source, traits))
     hit = _CALLS.get(key)
@@ -243,8 +283,8 @@ def rms_norm_backward(dy, x=None, rstd=None, weight=None, *, y=None, bias=None, 
     dx, as in `layer_norm_backward`."""
     branch = _branch(dropout_p, seed, rowscale, False)
     if branch is not None or dx0_dtype is not None:
-        return _backward(True, None, dy, x, None, rstd, weight, has_bias, bias_dtype, dresidual, zero_centered_weight,
-                         out, traits, source, y, bias, (dropout_p, seed, rowscale, dx0_dtype))
+        return _backward_branch(True, dy, x, None, rstd, weight, has_bias, bias_dtype, dresidual, zero_centered_weight,
+                                out, traits, source, y, bias, (dropout_p, seed, rowscale, dx0_dtype))
     values = (dy, x if y is None else y, None, rstd, weight, dresidual, out, bias)
     key, ptrs = _call_key(values, (3, has_bias, bias_dtype, zero_centered_weight, y is None, source, traits))
     hit = _CALLS.get(key)

@@ -224,9 +224,10 @@ def _overlap_check(d: Direction, n: int):
     return check
 
 
-def _spans(d: Direction, args: dict) -> dict:
+def _spans(names: tuple, args: dict) -> dict:
+    """Byte extents of the call's arrays named in `names` (what a cached call checks `out=` against)."""
     return {name: span(a.array.shape, a.array.strides, a.array.itemsize)
-            for name, a in args.items() if a is not None and name in d.arrays}
+            for name, a in args.items() if a is not None and name in names}
 
 
 def _picker(picks: list):
@@ -302,7 +303,7 @@ def forward_plan(args: dict, base: dict, traits, rms: bool, return_stats: bool, 
     if t.branch and args["rowscale"] is not None and not args["rowscale"].array.c_contiguous:
         copies.append("rowscale")  # read by row number
     return CallPlan(x.kind, device, names, tuple(launches), outputs=outputs, copies=copies, zeros=zeros,
-                    given_out=None if O is None else ("out", "y"), spans=_spans(FORWARD, args),
+                    given_out=None if O is None else ("out", "y"), spans=_spans(names, args),
                     full_overlap_check=_overlap_check(FORWARD, p.n),
                     scalars=EPS_SCALARS + (BRANCH_SCALARS if t.branch else ()), result=_picker(picks)), p
 
@@ -372,8 +373,9 @@ def backward_plan(args: dict, base: dict, traits, rms: bool, source: str | None 
         zeros = [o.name for o in outputs if o.name in ("dweight", "dbias")]
     if t.branch and args["rowscale"] is not None and not args["rowscale"].array.c_contiguous:
         copies.append("rowscale")  # read by row number
-    return CallPlan(x.kind, device, BACKWARD.arrays + (BRANCH_ARRAYS if t.branch else ()), tuple(launches),
-                    anchor="x", outputs=outputs, scratch=scratch, copies=copies, zeros=zeros,
-                    given_out=None if O is None else ("out", "dx"), spans=_spans(BACKWARD, args),
+    names = BACKWARD.arrays + (BRANCH_ARRAYS if t.branch else ())
+    return CallPlan(x.kind, device, names, tuple(launches), anchor="x", outputs=outputs, scratch=scratch,
+                    copies=copies, zeros=zeros, given_out=None if O is None else ("out", "dx"),
+                    spans=_spans(names, args),
                     full_overlap_check=_overlap_check(BACKWARD, p.n),
                     scalars=BRANCH_SCALARS if t.branch else (), result=_picker(picks)), p

@@ -26,7 +26,9 @@ DIRECTIONS = ("fwd", "bwd")
 # `cunorm bench --ops` names: the (op, direction) each stands for; "delta" is attention_delta.
 OP_CHOICES = {f"{name}{extra}": (f"{op}{extra}", "bwd" if backward else "fwd")
               for extra in ("", "+residual") for name, (op, backward) in SHORT_NAMES.items()}
-BENCH_OPS = (*OP_CHOICES, "delta", "qk", "fp8")  # qk: q/k-norm of a fused QKV buffer; fp8: fp8-output RMSNorm
+BENCH_OPS = (*OP_CHOICES, "delta", "qk", "fp8", "dropout")  # qk: q/k-norm of a fused QKV buffer; fp8: fp8-output
+# RMSNorm; dropout: dropout + residual + LayerNorm forward and backward (`dropout_cases`)
+DROPOUT_SIZES = (1024, 4096, 8192)
 FP8_SHAPE = (16384, 4096)  # rows, N of `fp8_cases`
 QK_SHAPE = (16384, 32, 128)  # rows B*S, heads, head dim of `qk_cases`
 
@@ -218,6 +220,60 @@ def fp8_cases(dtype: str = "bfloat16", shape=FP8_SHAPE):
                native)
 
 
+def dropout_cases(dtype: str = "bfloat16", sizes=DROPOUT_SIZES, p: float = 0.1):
+    """Yields dropout + residual + LayerNorm Cases, forward and backward, at M*N = ELEMENTS: the forward
+    reads x and the residual and writes y and residual_out (h); the backward reads dy, h, the statistics and
+    dresidual and writes dx and dx0 (dweight/dbias partials aside); the mask is drawn, not stored. Their
+    native is torch unfused: dropout, the add, layer_norm (its backward: autograd over a graph built once)."""
+    import cupy
+
+    from .norm import layer_norm, layer_norm_backward
+
+    dt = dtypes.numpy_dtype(dtype)
+    for n in sizes:
+        m = ELEMENTS // n
+        x, r, dy, dr = (cupy.random.standard_normal((m, n), dtype=np.float32).astype(dt) for _ in range(4))
+        w = (1 + 0.1 * cupy.random.standard_normal(n, dtype=np.float32)).astype(dt)
+        b = (0.1 * cupy.random.standard_normal(n, dtype=np.float32)).astype(dt)
+        _, h, mean, rstd = layer_norm(x, w, b, residual=r, dropout_p=p, seed=1, return_stats=True)
+        fwd, bwd = _torch_dropout_ln(x, r, w, b, dy, dr, n, p)
+        yield Case("dropout+residual+layer_norm fwd", n, 4 * m * n * dt.itemsize,
+                   lambda x=x, r=r, w=w, b=b, **kw: layer_norm(x, w, b, residual=r, dropout_p=p, seed=7, **kw), fwd)
+        yield Case("dropout+residual+layer_norm bwd", n, 5 * m * n * dt.itemsize + 8 * m,
+                   lambda dy=dy, h=h, mean=mean, rstd=rstd, w=w, dr=dr, **kw: layer_norm_backward(
+                       dy, h, mean, rstd, w, dresidual=dr, dropout_p=p, seed=7, **kw), bwd)
+
+
+def _torch_dropout_ln(x, r, w, b, dy, dr, n: int, p: float):
+    """torch's unfused dropout + add + layer_norm on these arrays, forward and backward (autograd); (None,
+    None) without torch."""
+    to_torch = _torch_from_dlpack()
+    if to_torch is None:
+        return None, None
+    import torch
+    import torch.nn.functional as F
+
+    tx, tr, tw, tb, tdy, tdr = map(to_torch, (x, r, w, b, dy, dr))
+
+    def forward(x0):
+        h = F.dropout(x0, p) + tr
+        return F.layer_norm(h, (n,), tw, tb), h
+
+    def fwd():
+        with torch.no_grad():
+            return forward(tx)
+
+    x0 = tx.detach().requires_grad_()
+    leaves = (x0, tw.detach().requires_grad_(), tb.detach().requires_grad_())  # dx0, dweight, dbias as ours
+    tw, tb = leaves[1:]
+    graph = forward(x0)  # built once: the timed backward walks it again and again
+
+    def bwd():
+        return torch.autograd.grad(graph, leaves, (tdy, tdr), retain_graph=True)
+
+    return fwd, bwd
+
+
 def _torch_fp8_rms(x, r, w, n: int):
     """torch's unfused RMSNorm + residual with an fp8 y scaled per row, on these arrays; None without torch."""
     to_torch = _torch_from_dlpack()
@@ -365,21 +421,21 @@ def run(sizes=BENCH_SIZES, dtype="bfloat16", weight_dtype=None, repeat=20, out=s
     BENCH_OPS; None: all) picks the ops and directions."""
     pairs = op_pairs(ops)
     head_dims = head_dims if ops is None or "delta" in ops else ()
-    qk, fp8 = ops is None or "qk" in ops, ops is None or "fp8" in ops
+    qk, fp8, dropout = (ops is None or name in ops for name in ("qk", "fp8", "dropout"))
     copy = copy_bandwidth()
     results = {"gpu": gpu_name(), "copy_gbps": copy / 1e9, "dtype": dtype,
                "weight_dtype": weight_dtype or dtype, "elements": ELEMENTS, "rows": []}
     print(f"# {results['gpu']}: device-to-device copy {copy / 1e9:.0f} GB/s (read + write)", file=out)
     print(f"{'op':<36} {'N or K':>6} {'ms':>8} {'GB/s':>7} {'of copy':>7}", file=out)
     cases = [norm_cases(sizes, dtype, weight_dtype, only=pairs)]
-    count = len(sizes) * len(pairs) + len(head_dims) + qk + fp8
+    count = len(sizes) * len(pairs) + len(head_dims) + qk + fp8 + 2 * len(DROPOUT_SIZES) * dropout
     if extras:
         cases += [norm_cases(STRIDED[0], dtype, weight_dtype, PLAIN_OPS, STRIDED[1], only=pairs),
                   norm_cases(ODD_SIZES, dtype, weight_dtype, PLAIN_OPS, only=pairs)]
         count += (len(STRIDED[0]) + len(ODD_SIZES)) * sum(op in PLAIN_OPS for op, _ in pairs)
     with progress(count, "benchmarking", out) as (bar, echo):
         for case in itertools.chain(*cases, delta_cases(head_dims, dtype), qk_cases(dtype) if qk else (),
-                                    fp8_cases(dtype) if fp8 else ()):
+                                    fp8_cases(dtype) if fp8 else (), dropout_cases(dtype) if dropout else ()):
             ms = median_ms(case.call, repeat)
             bw = case.nbytes / (ms * 1e-3)
             results["rows"].append({"op": case.op, "n": case.n, "ms": ms, "gbps": bw / 1e9,

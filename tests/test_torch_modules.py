@@ -340,3 +340,34 @@ def test_training_matches_native_loss_curve():
         curves[norm] = np.array(losses)
     assert curves["cunorm"][-1] < 0.5 * curves["cunorm"][0]  # it learns
     np.testing.assert_allclose(curves["cunorm"], curves["torch"], rtol=1e-3)
+
+
+@pytest.mark.filterwarnings("ignore:Input #:UserWarning")
+def test_dropout_and_rowscale_through_autograd():
+    """The functional forms with dropout and a row scale (CPU: the float64
+    reference): values against torch computing the same (the mask from
+    cunorm.reference.dropout_keep), gradcheck at default tolerances through
+    x, the residual, the weight and the bias, the same seed drawn again
+    after torch.manual_seed."""
+    from cunorm import reference
+
+    torch.manual_seed(5)
+    x, r = (torch.randn(4, 24, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    w, b = (torch.randn(24, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    rs = torch.rand(4, dtype=torch.float64) + 0.5
+    keep = torch.from_numpy(reference.dropout_keep((4, 24), 0.3, 11))
+    for fn, native in ((ct.layer_norm, lambda h: nn.functional.layer_norm(h, (24,), w, b)),
+                       (lambda *a, **k: ct.rms_norm(*a, eps=1e-5, **k),
+                        lambda h: h * torch.rsqrt((h * h).mean(-1, keepdim=True) + 1e-5) * w + b)):
+        kw = dict(weight=w, bias=b, dropout_p=0.3, seed=11, rowscale=rs)
+        y, h = fn(x, residual=r, **kw)
+        h_ref = torch.where(keep, x * rs[:, None] / 0.7, 0) + r
+        assert torch.allclose(h, h_ref, rtol=1e-12, atol=1e-12)
+        assert torch.allclose(y, native(h_ref), rtol=1e-10, atol=1e-10)
+        assert torch.autograd.gradcheck(lambda a, q, g, c: fn(a, residual=q, **dict(kw, weight=g, bias=c)),
+                                        (x, r, w, b))
+        assert torch.autograd.gradcheck(lambda a, g: fn(a, **dict(kw, weight=g)), (x, w))  # no residual
+    torch.manual_seed(9)
+    first = ct.layer_norm(x, dropout_p=0.5)
+    torch.manual_seed(9)
+    assert torch.equal(first, ct.layer_norm(x, dropout_p=0.5))

@@ -31,38 +31,51 @@ def _flat(p: Tensor | None) -> Tensor | None:
     return p if p is None or p.dim() == 1 else p.reshape(-1)
 
 
-def _norm(x, normalized_shape, weight, bias, eps, residual, residual_dtype, zero_centered_weight, out_dtype, rms):
+def _norm(x, normalized_shape, weight, bias, eps, residual, residual_dtype, zero_centered_weight, out_dtype, rms,
+          dropout_p=0.0, seed=None, rowscale=None):
     shape = _shape(normalized_shape if normalized_shape is not None else x.shape[-1])
     rows = _rows(x, shape)
     res = None if residual is None else _rows(residual, shape)
+    if dropout_p and seed is None:  # from torch's default generator: torch.manual_seed makes it repeat
+        seed = int(torch.randint(0, 2**62, (1,)).item())
+    if rowscale is not None:
+        rowscale = rowscale.reshape(rows.shape[:-1])
     y, residual_out, _, _ = ops.norm_fwd(rows, _flat(weight), _flat(bias), res, float(eps), rms,
                                          bool(zero_centered_weight), out_dtype,
-                                         residual_dtype if residual is not None else None)
+                                         residual_dtype if residual is not None else None, rowscale,
+                                         float(dropout_p), int(seed or 0))
     y = y.view(x.shape)
     return y if residual is None else (y, residual_out.view(x.shape))
 
 
 def layer_norm(x: Tensor, normalized_shape=None, weight: Tensor | None = None, bias: Tensor | None = None,
                eps: float = 1e-5, *, residual: Tensor | None = None, residual_dtype: torch.dtype | None = None,
-               zero_centered_weight: bool = False, out_dtype: torch.dtype | None = None):
+               zero_centered_weight: bool = False, out_dtype: torch.dtype | None = None, dropout_p: float = 0.0,
+               seed: int | None = None, rowscale: Tensor | None = None):
     """torch.nn.functional.layer_norm's arguments (normalized_shape defaults to
     the last dim), differentiable, plus a fused residual: with `residual`,
     returns (y, residual_out), residual_out = x + residual (in fp32, stored in
-    `residual_dtype`, default the residual's) being what was normalized."""
+    `residual_dtype`, default the residual's) being what was normalized.
+    Dropout and a row scale on x before the add (flash-attention's
+    dropout_add_layer_norm): x * rowscale * keep / (1 - dropout_p), the mask
+    drawn from `seed` (default: one drawn from torch's generator), not stored:
+    the backward draws it again. rowscale (x.shape[:-1]) is not differentiated."""
     return _norm(x, normalized_shape, weight, bias, eps, residual, residual_dtype, zero_centered_weight, out_dtype,
-                 rms=False)
+                 rms=False, dropout_p=dropout_p, seed=seed, rowscale=rowscale)
 
 
 def rms_norm(x: Tensor, normalized_shape=None, weight: Tensor | None = None, eps: float | None = None, *,
              bias: Tensor | None = None, residual: Tensor | None = None, residual_dtype: torch.dtype | None = None,
-             zero_centered_weight: bool = False, out_dtype: torch.dtype | None = None):
+             zero_centered_weight: bool = False, out_dtype: torch.dtype | None = None, dropout_p: float = 0.0,
+             seed: int | None = None, rowscale: Tensor | None = None):
     """torch.nn.functional.rms_norm's arguments (eps None: the machine epsilon
     of x's dtype, as torch), differentiable, plus a bias (y = xhat * w + b)
-    and the residual, zero-centered and out_dtype options of `layer_norm`."""
+    and the residual, zero-centered, out_dtype, dropout and rowscale options
+    of `layer_norm`."""
     if eps is None:
         eps = torch.finfo(x.dtype).eps
     return _norm(x, normalized_shape, weight, bias, eps, residual, residual_dtype, zero_centered_weight, out_dtype,
-                 rms=True)
+                 rms=True, dropout_p=dropout_p, seed=seed, rowscale=rowscale)
 
 
 def attention_delta(out: Tensor, grad_out: Tensor) -> Tensor:

@@ -65,28 +65,40 @@ def _empty(like: Tensor) -> Tensor:
 @torch.library.custom_op("cunorm::norm_fwd", mutates_args=())
 def norm_fwd(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], residual: Optional[Tensor], eps: float,
              rms: bool, zero_centered: bool, out_dtype: Optional[torch.dtype],
-             residual_out_dtype: Optional[torch.dtype]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+             residual_out_dtype: Optional[torch.dtype], rowscale: Optional[Tensor] = None, dropout_p: float = 0.0,
+             seed: int = 0) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(y, residual_out, mean, rstd) of LayerNorm (rms=False) or RMSNorm over
-    the last axis of x; residual_out and (RMSNorm) mean are empty when absent."""
-    kwargs = dict(residual_dtype=residual_out_dtype if residual is not None else None,
+    the last axis of x; residual_out and (RMSNorm) mean are empty when absent.
+    With dropout_p > 0 or a rowscale, x passes the branch first (x * rowscale
+    * keep / (1 - p), the mask drawn from `seed`) and residual_out (h) is
+    returned with or without a residual."""
+    branch = bool(dropout_p) or rowscale is not None
+    kwargs = dict(residual_dtype=residual_out_dtype if residual is not None or branch else None,
                   zero_centered_weight=zero_centered, return_stats=True, out_dtype=out_dtype)
+    if branch:
+        kwargs.update(dropout_p=dropout_p, seed=seed if dropout_p else None)
     if rms:
-        out = _call(lambda a, w, b, r: _rms_norm(a, w, eps, bias=b, residual=r, **kwargs), x, weight, bias, residual)
+        out = _call(lambda a, w, b, r, s: _rms_norm(a, w, eps, bias=b, residual=r, rowscale=s, **kwargs),
+                    x, weight, bias, residual, rowscale)
         mean = None
     else:
-        out = _call(lambda a, w, b, r: _layer_norm(a, w, b, eps, residual=r, **kwargs), x, weight, bias, residual)
+        out = _call(lambda a, w, b, r, s: _layer_norm(a, w, b, eps, residual=r, rowscale=s, **kwargs),
+                    x, weight, bias, residual, rowscale)
         out, mean = out[:-2] + out[-1:], out[-2]
     y = out[0]
-    residual_out = out[1] if residual is not None else _empty(x)
+    residual_out = out[1] if residual is not None or branch else _empty(x)
     return y, residual_out, mean if mean is not None else _empty(out[-1]), out[-1]
 
 
 @norm_fwd.register_fake
-def _(x, weight, bias, residual, eps, rms, zero_centered, out_dtype, residual_out_dtype):
+def _(x, weight, bias, residual, eps, rms, zero_centered, out_dtype, residual_out_dtype, rowscale=None,
+      dropout_p=0.0, seed=0):
     lead = x.shape[:-1]
     y = x.new_empty(x.shape, dtype=out_dtype or x.dtype)
-    residual_out = (x.new_empty(x.shape, dtype=residual_out_dtype or residual.dtype) if residual is not None
-                    else x.new_empty(0))
+    branch = bool(dropout_p) or rowscale is not None
+    residual_out = (x.new_empty(x.shape, dtype=residual_out_dtype or (residual.dtype if residual is not None
+                                                                      else x.dtype))
+                    if residual is not None or branch else x.new_empty(0))
     stats = torch.float64 if x.dtype == torch.float64 else torch.float32  # dtypes.compute_dtype
     rstd = x.new_empty(lead, dtype=stats)
     mean = x.new_empty(0, dtype=stats) if rms else x.new_empty(lead, dtype=stats)
@@ -96,31 +108,41 @@ def _(x, weight, bias, residual, eps, rms, zero_centered, out_dtype, residual_ou
 @torch.library.custom_op("cunorm::norm_bwd", mutates_args=())
 def norm_bwd(dy: Tensor, x: Tensor, mean: Optional[Tensor], rstd: Tensor, weight: Optional[Tensor],
              dresidual: Optional[Tensor], rms: bool, zero_centered: bool, has_bias: bool,
-             bias_dtype: Optional[torch.dtype]) -> tuple[Tensor, Tensor, Tensor]:
-    """(dx, dweight, dbias) of norm_fwd, given what it normalized (x: the
+             bias_dtype: Optional[torch.dtype], rowscale: Optional[Tensor] = None, dropout_p: float = 0.0,
+             seed: int = 0, dx0_dtype: Optional[torch.dtype] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(dx, dweight, dbias, dx0) of norm_fwd, given what it normalized (x: the
     residual sum when there was a residual) and its statistics; dresidual
-    (the skip path's gradient) is added into dx. Absent gradients are empty."""
+    (the skip path's gradient) is added into dx. After a branch (dropout_p,
+    rowscale), dx0 is the branch input's gradient. Absent gradients are empty."""
+    branch = bool(dropout_p) or rowscale is not None
+    kw = dict(has_bias=has_bias, bias_dtype=bias_dtype, zero_centered_weight=zero_centered)
+    if branch:
+        kw.update(dropout_p=dropout_p, seed=seed if dropout_p else None, dx0_dtype=dx0_dtype)
     if rms:
-        dx, dw, *db = _call(lambda g, a, s, w, dr: _rms_norm_backward(
-            g, a, s, w, has_bias=has_bias, bias_dtype=bias_dtype, dresidual=dr, zero_centered_weight=zero_centered),
-            dy, x, rstd, weight, dresidual)
-        db = db[0] if db else None
+        dx, *rest = _call(lambda g, a, s, w, dr, rs: _rms_norm_backward(g, a, s, w, dresidual=dr, rowscale=rs, **kw),
+                          dy, x, rstd, weight, dresidual, rowscale)
     else:
-        dx, dw, db = _call(lambda g, a, m, s, w, dr: _layer_norm_backward(
-            g, a, m, s, w, has_bias=has_bias, bias_dtype=bias_dtype, dresidual=dr,
-            zero_centered_weight=zero_centered), dy, x, mean, rstd, weight, dresidual)
-    return dx, dw if dw is not None else _empty(x), db if db is not None else _empty(x)
+        dx, *rest = _call(lambda g, a, m, s, w, dr, rs: _layer_norm_backward(g, a, m, s, w, dresidual=dr, rowscale=rs,
+                                                                             **kw), dy, x, mean, rstd, weight,
+                          dresidual, rowscale)
+    dx0 = rest.pop(0) if branch else None
+    dw, db = rest[0], (rest[1] if len(rest) > 1 else None)
+    return (dx, dw if dw is not None else _empty(x), db if db is not None else _empty(x),
+            dx0 if dx0 is not None else _empty(x))
 
 
 @norm_bwd.register_fake
-def _(dy, x, mean, rstd, weight, dresidual, rms, zero_centered, has_bias, bias_dtype):
+def _(dy, x, mean, rstd, weight, dresidual, rms, zero_centered, has_bias, bias_dtype, rowscale=None, dropout_p=0.0,
+      seed=0, dx0_dtype=None):
     n = x.shape[-1]
     dx = x.new_empty(x.shape)
     dw = x.new_empty(weight.shape, dtype=weight.dtype) if weight is not None else x.new_empty(0)
     b_dtype = bias_dtype or (weight.dtype if weight is not None else torch.float32)
     per_head = weight is not None and weight.dim() == 2  # [heads, N]: dbias per head too
     db = x.new_empty(weight.shape if per_head else (n,), dtype=b_dtype) if has_bias else x.new_empty(0)
-    return dx, dw, db
+    branch = bool(dropout_p) or rowscale is not None
+    dx0 = x.new_empty(x.shape, dtype=dx0_dtype or x.dtype) if branch else x.new_empty(0)
+    return dx, dw, db, dx0
 
 
 @torch.library.custom_op("cunorm::attention_delta", mutates_args=())
@@ -138,10 +160,13 @@ def _(out, grad_out):
 # -- autograd ---------------------------------------------------------------------
 
 def _setup_fwd(ctx, inputs, output):
-    x, weight, bias, residual, eps, rms, zero_centered, out_dtype, residual_out_dtype = inputs
+    x, weight, bias, residual, eps, rms, zero_centered, out_dtype, residual_out_dtype, rowscale, dropout_p, seed = \
+        inputs
     y, residual_out, mean, rstd = output
-    h = residual_out if residual is not None else x
-    ctx.save_for_backward(h, weight, mean if not rms else None, rstd)
+    ctx.branch = bool(dropout_p) or rowscale is not None
+    ctx.dropout_p, ctx.seed = dropout_p, seed
+    h = residual_out if residual is not None or ctx.branch else x
+    ctx.save_for_backward(h, weight, mean if not rms else None, rstd, rowscale)
     ctx.rms, ctx.zero_centered, ctx.has_bias = rms, zero_centered, bias is not None
     ctx.bias_dtype = bias.dtype if bias is not None else None
     ctx.x_dtype = x.dtype
@@ -151,19 +176,21 @@ def _setup_fwd(ctx, inputs, output):
 
 
 def _backward_fwd(ctx, dy, dresidual_out, _dmean, _drstd):
-    h, weight, mean, rstd = ctx.saved_tensors
+    h, weight, mean, rstd, rowscale = ctx.saved_tensors
     has_residual = ctx.residual_dtype is not None
     if dy is None:
         dy = torch.zeros(h.shape, dtype=ctx.y_dtype, device=h.device)
-    dres = dresidual_out if has_residual and dresidual_out is not None and dresidual_out.numel() else None
-    dh, dw, db = norm_bwd(dy, h, mean, rstd, weight, dres, ctx.rms, ctx.zero_centered, ctx.has_bias,
-                          ctx.bias_dtype)
-    dx = dh if dh.dtype == ctx.x_dtype else dh.to(ctx.x_dtype)
+    # residual_out (h) reaches the loss too where it is returned: with a residual, or after a branch
+    returned_h = has_residual or ctx.branch
+    dres = dresidual_out if returned_h and dresidual_out is not None and dresidual_out.numel() else None
+    dh, dw, db, dx0 = norm_bwd(dy, h, mean, rstd, weight, dres, ctx.rms, ctx.zero_centered, ctx.has_bias,
+                               ctx.bias_dtype, rowscale, ctx.dropout_p, ctx.seed, ctx.x_dtype if ctx.branch else None)
+    dx = dx0 if ctx.branch else (dh if dh.dtype == ctx.x_dtype else dh.to(ctx.x_dtype))
     dr = None
     if has_residual:
         dr = dh if dh.dtype == ctx.residual_dtype else dh.to(ctx.residual_dtype)
     return (dx, dw if weight is not None else None, db if ctx.has_bias else None, dr,
-            None, None, None, None, None)
+            None, None, None, None, None, None, None, None)
 
 
 torch.library.register_autograd("cunorm::norm_fwd", _backward_fwd, setup_context=_setup_fwd)

@@ -465,6 +465,11 @@ def _branch_inputs(case: Case, x, rng):
     return {"kwargs": dict(dropout_p=case.dropout_p, seed=seed, rowscale=rs), "x0": x0, "keep": keep, "rs": rs}
 
 
+def _with_dx0(names: tuple, branch) -> tuple:
+    """A backward's result names: dx0 follows dx after a branch (dropout, a row scale)."""
+    return names if branch is None else (names[0], "dx0", *names[1:])
+
+
 def _untouched_outside(case: Case, out) -> list:
     """For a given out= in the qkv layout (a slot of a NaN-filled fused buffer): a failing Result where the op
     wrote anything outside the view."""
@@ -581,7 +586,7 @@ def _run_backward(case: Case, rng, source=None) -> list:
         op = rms_norm_backward if case.rms else layer_norm_backward
         with poisoned_allocations():
             got = op(dy, rstd=rstd, weight=w, y=y, bias=b, **kwargs)
-        names = ("dx", "dweight", "dbias")[:3 if case.has_bias or not case.rms else 2]
+        names = _with_dx0(("dx", "dweight", "dbias")[:3 if case.has_bias or not case.rms else 2], branch)
         if len(got) != len(names):
             return [Result(case, f"{len(got)} results, not {len(names)}", float("inf"), 0.0)]
     elif case.rms:
@@ -593,7 +598,7 @@ def _run_backward(case: Case, rng, source=None) -> list:
         dx_scale = dx_scale_of(dy, w, zc, rstd)  # before the call: dx may be written over dy
         with poisoned_allocations():
             got = rms_norm_backward(dy, x, rstd, w, has_bias=case.has_bias, bias_dtype=case.bias_dtype, **kwargs)
-        names = ("dx", "dweight", "dbias")[:3 if case.has_bias else 2]
+        names = _with_dx0(("dx", "dweight", "dbias")[:3 if case.has_bias else 2], branch)
         if len(got) != len(names):
             return [Result(case, f"{len(got)} results, not {len(names)}", float("inf"), 0.0)]
     else:
@@ -604,13 +609,12 @@ def _run_backward(case: Case, rng, source=None) -> list:
         with poisoned_allocations():
             got = layer_norm_backward(dy, x, mean, rstd, w, has_bias=case.has_bias, bias_dtype=case.bias_dtype,
                                       **kwargs)
-        names = ("dx", "dweight", "dbias")
+        names = _with_dx0(("dx", "dweight", "dbias"), branch)
     tol = {"dx": tolerance(case.dtype, case.dtype), "dweight": tolerance(case.weight_dtype, case.dtype),
            "dbias": tolerance(case.bias_dtype or case.weight_dtype, case.dtype), "dx0": tolerance(case.dtype, case.dtype)}
     dx0_scale = 0.0
     if branch is not None:  # dx0 after dx: dx * keep / (1 - p) * rowscale (up to 2 here)
         dx0_scale = dx_scale / (1.0 - case.dropout_p) * (2.0 if branch["rs"] is not None else 1.0)
-        names = (names[0], "dx0", *names[1:])
         if len(got) != len(names):
             return [Result(case, f"{len(got)} results, not {len(names)}", float("inf"), 0.0)]
         refs = (refs[0], reference.branch_grad(refs[0], branch["keep"], case.dropout_p, branch["rs"]), *refs[1:])

@@ -368,7 +368,8 @@ class Traits:
                                                      ("dropout", self.dropout),
                                                      (f"rowscale={self.rowscale_dtype}",
                                                       self.rowscale_dtype is not None),
-                                                     ("dropout-mask", self.dropout_mask)) if on)
+                                                     ("dropout-mask", self.dropout_mask),
+                                                     (f"dx0={self.dx0_dtype}", self.dx0_dtype is not None)) if on)
         if self.has_residual:  # the residual read and residual_out written: two tensors, a dtype each
             flags += (f" dresidual={self.residual_dtype}" if self.backward else
                       f" residual={self.residual_dtype}->{self.residual_out_dtype}")

@@ -202,8 +202,8 @@ def layer_norm(x, weight=None, bias=None, eps=1e-5, *, residual=None, residual_d
     arrays uint8 arrays holding the fp8 bits (CuPy has no fp8 dtype), numpy
     arrays ml_dtypes float8 arrays.
 
-    Dropout and a row scale on the branch before the residual add (such
-    calls skip the call cache so far): h = x * rowscale * keep / (1 - dropout_p)
+    Dropout and a row scale on the branch before the residual add (cached
+    apart; dropout_p and the seed are per-call values): h = x * rowscale * keep / (1 - dropout_p)
     [+ residual], rowscale of shape x.shape[:-1], keep drawn with probability
     1 - dropout_p from `seed` (an int; Philox4x32-10, counter-based, so the
     backward draws the same mask from the same seed: `reference.dropout_keep`

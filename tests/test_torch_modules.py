@@ -371,3 +371,5 @@ def test_dropout_and_rowscale_through_autograd():
     first = ct.layer_norm(x, dropout_p=0.5)
     torch.manual_seed(9)
     assert torch.equal(first, ct.layer_norm(x, dropout_p=0.5))
+    with pytest.raises(ValueError, match=r"seed: an int in \[0, 2\*\*63\)"):
+        ct.layer_norm(x, dropout_p=0.5, seed=2**63)

@@ -38,6 +38,8 @@ def _norm(x, normalized_shape, weight, bias, eps, residual, residual_dtype, zero
     res = None if residual is None else _rows(residual, shape)
     if dropout_p and seed is None:  # from torch's default generator: torch.manual_seed makes it repeat
         seed = int(torch.randint(0, 2**62, (1,)).item())
+    if seed is not None and not (isinstance(seed, int) and 0 <= seed < 2**63):
+        raise ValueError(f"seed: an int in [0, 2**63) through cunorm.torch (a custom op's int), got {seed!r}")
     if rowscale is not None:
         rowscale = rowscale.reshape(rows.shape[:-1])
     y, residual_out, _, _ = ops.norm_fwd(rows, _flat(weight), _flat(bias), res, float(eps), rms,

@@ -46,25 +46,41 @@ class Launch:
     ("i64" | "i32" | "u32", int, or the name of a per-call integer),
     ("f32" | "f64", float, or the name of a per-call scalar: its bits,
     `f32_bits` / `f64_bits`), ("axes", (s0, s1,
-    s2, d1, d2)) (a RowAxes struct, AXES_SLOTS slots). Each parameter starts
-    a slot of 8 bytes. `bind` turns names into positions; a call then writes
-    every named slot with one `struct.pack_into` (constant slots are skipped,
-    so they keep what planning wrote) and launches."""
+    s2, d1, d2)) (a RowAxes struct, AXES_SLOTS slots). Each parameter has
+    slots of 8 bytes of its own. `bind` turns names into positions and lays
+    the slots out: the per-call ones first, in one run, then the constants
+    (written once; cuLaunchKernel finds each parameter through its own
+    pointer, so the slots need not follow the parameters' order). A call
+    writes the per-call run with one `struct.pack_into` and launches."""
 
     def __init__(self, kernel, grid: int, args: list):
         self.kernel, self.grid, self.args = kernel, grid, args
         self.function = kernel.function.kernel.ptr
         self.threads, self.smem = kernel.threads, kernel.smem
-        firsts, total = [], 0  # each parameter's first slot
         for kind, _ in args:
             if kind not in _SLOT_TYPES:
                 raise ValueError(f"unknown parameter kind {kind!r}")
-            firsts.append(total)
-            total += AXES_SLOTS if kind == "axes" else 1
+        self.bind({})
+
+    def bind(self, positions: dict):
+        """Resolves the names of pointers and per-call scalars to positions in
+        the call's values (a name with no position is a constant 0) and lays
+        out the slots: the parameters a call writes first, then the rest."""
+        picks, per_call = [], set()
+        for i, (kind, value) in enumerate(self.args):
+            at = positions.get(value) if isinstance(value, str) else None
+            if at is not None:
+                picks.append(at)
+                per_call.add(i)
+        order = sorted(range(len(self.args)), key=lambda i: i not in per_call)  # stable: per-call ones first
+        firsts, total = [0] * len(self.args), 0
+        for i in order:
+            firsts[i] = total
+            total += AXES_SLOTS if self.args[i][0] == "axes" else 1
         self.firsts = firsts
         packed = np.zeros(max(1, total), np.uint64)
-        for i, (kind, value) in zip(firsts, args):
-            if isinstance(value, str):  # a pointer or a per-call scalar: written by each call
+        for i, (kind, value) in zip(firsts, self.args):
+            if isinstance(value, str):  # a pointer or a per-call scalar: written by each call (or 0)
                 continue
             if kind == "axes":
                 packed.view(np.int64)[i:i + 3] = value[:3]
@@ -82,35 +98,15 @@ class Launch:
         # The parameter array cuLaunchKernel reads: the address of each parameter's first slot.
         self._params = array.array("Q", (address + 8 * i for i in firsts))
         self.params = self._params.buffer_info()[0]
-        self._pack = None
-
-    def bind(self, positions: dict):
-        """Resolves the names of pointers and per-call scalars to positions in
-        the call's values; a pointer with no position stays 0. Consecutive
-        per-call slots are written by one `struct.pack_into` each (constant
-        slots are never written again)."""
-        runs = []  # [first slot, [positions]]
-        for i, (kind, value) in zip(self.firsts, self.args):
-            at = positions.get(value) if isinstance(value, str) else None
-            if at is None:
-                continue
-            if runs and runs[-1][0] + len(runs[-1][1]) == i:
-                runs[-1][1].append(at)
-            else:
-                runs.append([i, [at]])
-        packers = []
-        for first, picks in runs:
-            packer, getter = struct.Struct(f"<{len(picks)}Q").pack_into, operator.itemgetter(*picks)
-            if len(picks) == 1:
-                packers.append(lambda values, p=packer, g=getter, o=8 * first: p(self.slots, o, g(values)))
-            else:
-                packers.append(lambda values, p=packer, g=getter, o=8 * first: p(self.slots, o, *g(values)))
-        self._pack = packers[0] if len(packers) == 1 else (
-            (lambda values: [p(values) for p in packers]) if packers else None)
+        self._pack = struct.Struct(f"<{len(picks)}Q").pack_into if picks else None
+        self._one = picks[0] if len(picks) == 1 else None  # itemgetter of one position gives no tuple
+        self._get = operator.itemgetter(*picks) if len(picks) > 1 else None
 
     def __call__(self, values: list, stream: int):
-        if self._pack is not None:
-            self._pack(values)
+        if self._get is not None:
+            self._pack(self.slots, 0, *self._get(values))
+        elif self._one is not None:
+            self._pack(self.slots, 0, values[self._one])
         _launch(self.function, self.grid, 1, 1, self.threads, 1, 1, self.smem, stream, self.params, 0)
 
 
@@ -294,16 +290,18 @@ class CallPlan:
         if self.launches:
             values = ptrs + made_ptrs
             stream = self.kind.stream(self.device_id)
-            with _launch_lock:
+            _launch_lock.acquire()  # not `with`: half the cost, on every call
+            try:
                 if self.scratch_bytes:
                     scratch, base, control = scratch_pointer(self.kind, self.device_id, stream, self.scratch_bytes,
                                                              self.control)
                     values += [base + start for start in self.scratch_starts]
                     values.append(control)
-                if scalars:
-                    values += scalars
+                values += scalars
                 for launch in self.launches:
                     launch(values, stream)
+            finally:
+                _launch_lock.release()
         return self.result(objs, made)
 
     def _check_out(self, objs: tuple, ptrs: list):

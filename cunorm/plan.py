@@ -24,7 +24,6 @@ PREVIEW_ARCH = 90  # the GPU that numpy calls check `traits=` for, and that expl
 CALLS: dict = {}  # cache key -> launch.CallPlan
 MAX_CALLS = 4096
 _keyparts: dict = {}  # array type -> its kind's keypart, or None: not cached (numpy, other producers)
-_UNSEEN = object()
 
 
 def call_key(values: tuple, flags: tuple) -> tuple:
@@ -41,21 +40,21 @@ def call_key(values: tuple, flags: tuple) -> tuple:
         except TypeError:
             return None, None
     key, ptrs = [flags], []
-    add_key, add_ptr = key.append, ptrs.append
     for a in values:
         if a is None:
-            add_key(None)
-            add_ptr(0)
+            key.append(None)
+            ptrs.append(0)
             continue
-        part = _keyparts.get(type(a), _UNSEEN)
-        if part is _UNSEEN:
+        try:
+            part = _keyparts[a.__class__]
+        except KeyError:
             kind = kind_of(a)
-            part = _keyparts[type(a)] = None if kind is None else kind.keypart
+            part = _keyparts[a.__class__] = None if kind is None else kind.keypart
         if part is None:
             return None, None
         k, p = part(a)
-        add_key(k)
-        add_ptr(p)
+        key.append(k)
+        ptrs.append(p)
     return tuple(key), ptrs
 
 

@@ -23,24 +23,30 @@ def _kernel(threads=128, smem=0):
     return SimpleNamespace(function=SimpleNamespace(kernel=SimpleNamespace(ptr=7)), threads=threads, smem=smem)
 
 
+def _slot_values(k) -> list:
+    """Each parameter's first slot (as uint64), found through the parameter array as the driver finds it."""
+    base = k.slots.buffer_info()[0]
+    s = np.frombuffer(k.slots, np.uint64)
+    return [int(s[(int(p) - base) // 8]) for p in np.frombuffer(k._params, np.uint64)]
+
+
 def test_per_call_slots_are_written_and_constants_kept(launched):
     args = [("ptr", "x"), ("ptr", "absent"), ("i64", -5), ("ptr", "y"), ("i32", 3), ("u32", 2**32 - 1),
             ("f32", 0.5), ("f32", "eps"), ("ptr", "z")]
     k = launch.Launch(_kernel(256, 1024), 40, args)
     k.bind({"x": 0, "y": 1, "z": 2, "eps": 3})
-    slots = lambda: np.frombuffer(k.slots, np.uint64).copy()  # noqa: E731
     for values in ([10, 20, 30, launch.f32_bits(1e-5)], [11, 21, 31, launch.f32_bits(2.0)]):
         k(values, stream=99)
-        s = slots()
-        assert list(s[[0, 1, 3, 8]]) == [values[0], 0, values[1], values[2]]
-        assert s.view(np.int64)[2] == -5
-        assert s.view(np.int32)[8] == 3 and s.view(np.uint32)[10] == 2**32 - 1
-        assert s.view(np.float32)[12] == 0.5
-        assert s.view(np.float32)[14] == np.float32(1e-5 if values[0] == 10 else 2.0)
+        p = _slot_values(k)
+        assert [p[0], p[1], p[3], p[8]] == [values[0], 0, values[1], values[2]]
+        assert np.uint64(p[2]).view(np.int64) == -5
+        assert p[4] == 3 and p[5] == 2**32 - 1
+        assert np.uint32(p[6]).view(np.float32) == 0.5
+        assert np.uint32(p[7]).view(np.float32) == np.float32(1e-5 if values[0] == 10 else 2.0)
     assert [(c.grid, c.threads, c.smem, c.stream) for c in launched] == [(40, 256, 1024, 99)] * 2
-    # The parameter array points at each slot in turn.
-    params = np.frombuffer(k._params, np.uint64)
-    assert list(params - params[0]) == [8 * i for i in range(len(args))]
+    # The slots a call writes come first, in the parameters' order: one run, one pack.
+    assert [k.firsts[i] for i in (0, 3, 7, 8)] == [0, 1, 2, 3]
+    assert sorted(k.firsts) == list(range(len(args)))
 
 
 def test_call_plan_binds_outputs_scratch_and_scalars(launched):
@@ -70,10 +76,10 @@ def test_call_plan_binds_outputs_scratch_and_scalars(launched):
         assert plan.run(("A", None), [10, 0], (launch.f32_bits(1.0),)) == ["out0"]
     finally:
         launch._current_device = monkey_device
-    s = np.frombuffer(k.slots, np.uint64)
+    p = _slot_values(k)
     first = 5000 + launch.CONTROL_BYTES  # a fresh block (the stream is no CUDA stream here): control words first
-    assert list(s[:5]) == [10, 0, 1000, first, first + 256]
-    assert s.view(np.float32)[10] == 1.0
+    assert p[:5] == [10, 0, 1000, first, first + 256]
+    assert np.uint32(p[5]).view(np.float32) == 1.0
 
 
 def test_scratch_arena_per_stream(monkeypatch):
@@ -117,7 +123,7 @@ def test_a_row_axes_parameter_takes_four_slots(launched):
     k.bind({"x": 0, "y": 1})
     k([10, 20], stream=0)
     s = np.frombuffer(k.slots, np.uint64)
-    assert len(s) == 6 and list(s[[0, 5]]) == [10, 20]
-    assert list(s.view(np.int64)[1:4]) == [3 * 8 * 128, 8 * 128, 128] and list(s.view(np.uint32)[8:10]) == [5, 8]
+    assert len(s) == 6 and list(s[:2]) == [10, 20]  # the per-call slots, then the struct's four
+    assert list(s.view(np.int64)[2:5]) == [3 * 8 * 128, 8 * 128, 128] and list(s.view(np.uint32)[10:12]) == [5, 8]
     params = np.frombuffer(k._params, np.uint64)
-    assert list(params - params[0]) == [0, 8, 40]
+    assert list(params - params[0]) == [0, 16, 8]

@@ -84,10 +84,10 @@ def poisoned_allocations():
     that a call's scratch is poisoned too (a partial sum left unwritten shows)."""
     import cupy
 
-    from . import launch
+    from . import launch, scratch
 
     with launch._launch_lock:
-        launch._arenas.clear()
+        scratch.forget()
     allocator = cupy.cuda.get_allocator()
 
     def malloc(size):

@@ -7,7 +7,7 @@ planning; a call writes only its pointers and per-call scalars into their
 slots and hands the array to cuLaunchKernel (CuPy's driver binding): no
 argument objects, no CuPy kernel wrapper. `CallPlan.run` is the whole of a
 repeated call: copies the plan asks for, fresh outputs, the `out=` overlap
-test, working memory (`scratch_pointer`), the launches, the result. Names are
+test, working memory (`scratch.scratch_pointer`), the launches, the result. Names are
 resolved to positions once, when the plan is built, so a call moves lists,
 not dictionaries.
 """
@@ -21,6 +21,8 @@ import threading
 from dataclasses import dataclass
 
 import numpy as np
+
+from . import scratch
 
 _SLOT_TYPES = ("ptr", "i64", "i32", "u32", "f32", "f64", "axes")
 AXES_SLOTS = 4  # a RowAxes parameter (kernels/norm_traits.cuh): three i64 strides, two u32 sizes
@@ -110,6 +112,9 @@ class Launch:
         _launch(self.function, self.grid, 1, 1, self.threads, 1, 1, self.smem, stream, self.params, 0)
 
 
+_launch_lock = threading.Lock()  # packed slots and arenas: filled and launched together (one lock: all threads)
+
+
 def _current_device() -> int:
     from cupy_backends.cuda.api.runtime import getDevice
 
@@ -124,71 +129,6 @@ def _launch(*args):
     global _launch
     _launch = launchKernel  # looked up once
     launchKernel(*args)
-
-
-# Working memory reused per stream. A call's scratch is written and read only by its own kernels, queued on
-# one stream, so the next call on that stream may have the same bytes (stream order). This takes a stream
-# handle to name one stream: cudaStreamDestroy releases a handle once the stream's queued work is done, so
-# a reused handle should not meet that work (inferred from the documentation, not promised by it), and the
-# per-thread default stream (handle 2: one handle, a stream per thread) gets no arena. Nor does a stream
-# capturing a CUDA graph: the graph keeps the address, so its blocks are kept for good (`_graph_blocks`;
-# for every kind: whoever began the capture, torch's private graph pool or not, a freed block could be
-# handed out again before a replay). Nor does a call above ARENA_BYTES (GPU-bound: a fresh allocation costs
-# nothing there). An arena starts with CONTROL_BYTES of words that kernels keep at 0 between launches (the
-# backward's last-CTA ticket): zeroed once, when the arena is made, and never part of a call's scratch.
-ARENA_BYTES = 4 << 20
-CONTROL_BYTES = 256
-MAX_ARENAS = 16
-PER_THREAD_STREAM = 2  # cudaStreamPerThread
-_arenas: dict = {}  # (kind, device, stream) -> (what keeps it alive, pointer, scratch bytes)
-_graph_blocks: list = []  # working memory of captured launches: a replay may come at any time
-_launch_lock = threading.Lock()  # packed slots and arenas: filled and launched together (one lock: all threads)
-
-
-def scratch_pointer(kind, device_id: int, stream: int, nbytes: int, control: bool) -> tuple:
-    """(what keeps it alive until the launches are queued, pointer of `nbytes` of working memory, pointer
-    of CONTROL_BYTES of zeros) for kernels queued on `stream`; `control`: whether the call needs the
-    zeros (a fresh block's are then cleared on the stream). Call under `_launch_lock`."""
-    capturing = _capturing(stream)
-    if capturing or nbytes > ARENA_BYTES or stream == PER_THREAD_STREAM:
-        keep, ptr = kind.raw(device_id, CONTROL_BYTES + nbytes)
-        if control:
-            _memset(ptr, 0, CONTROL_BYTES, stream)
-        if capturing:
-            _graph_blocks.append(keep)
-        return keep, ptr + CONTROL_BYTES, ptr
-    key = (kind, device_id, stream)
-    arena = _arenas.get(key)
-    if arena is None or arena[2] < nbytes:
-        if arena is None and len(_arenas) >= MAX_ARENAS:
-            del _arenas[next(iter(_arenas))]  # the oldest: freed in its stream's order
-        size = max(nbytes, 64 << 10)
-        keep, ptr = kind.raw(device_id, CONTROL_BYTES + size)
-        _memset(ptr, 0, CONTROL_BYTES, stream)
-        arena = _arenas[key] = (keep, ptr, size)
-    return arena[0], arena[1] + CONTROL_BYTES, arena[1]
-
-
-def _memset(*args):
-    from cupy_backends.cuda.api.runtime import memsetAsync
-
-    global _memset
-    _memset = memsetAsync  # looked up once
-    memsetAsync(*args)
-
-
-def _capturing(stream: int) -> bool:
-    from cupy_backends.cuda.api.runtime import streamIsCapturing
-
-    def capturing(stream: int) -> bool:
-        try:
-            return streamIsCapturing(stream)
-        except Exception:  # e.g. the legacy stream beside a global capture: no arena (the launch reports it)
-            return True
-
-    global _capturing
-    _capturing = capturing  # looked up once
-    return capturing(stream)
 
 
 @dataclass(frozen=True)
@@ -216,7 +156,7 @@ class CallPlan:
     kind the call has (outputs are made beside it; default the first).
     launches: Launch objects whose pointers name arguments, outputs or
     scratch. outputs: allocated per call through the caller's kind. scratch:
-    (name, bytes) of working memory, carved from one block (`scratch_pointer`);
+    (name, bytes) of working memory, carved from one block (`scratch.scratch_pointer`);
     a launch may also name "control": words that are 0 at its start and that
     it leaves at 0. copies: arguments copied to fresh contiguous arrays on every
     call (layouts the kernels cannot read in place): a name, or (name, numpy
@@ -293,8 +233,8 @@ class CallPlan:
             _launch_lock.acquire()  # not `with`: half the cost, on every call
             try:
                 if self.scratch_bytes:
-                    scratch, base, control = scratch_pointer(self.kind, self.device_id, stream, self.scratch_bytes,
-                                                             self.control)
+                    keep, base, control = scratch.scratch_pointer(self.kind, self.device_id, stream,
+                                                                  self.scratch_bytes, self.control)
                     values += [base + start for start in self.scratch_starts]
                     values.append(control)
                 values += scalars

@@ -317,7 +317,7 @@ def test_small_backwards_are_one_launch(n, dtype, per_head, rng, launches):
     every call (the next call on the stream starts from it)."""
     import cupy
 
-    from cunorm import kinds, launch
+    from cunorm import kinds, scratch
     from cunorm.norm import plans
 
     heads = 4 if per_head else 1
@@ -341,7 +341,7 @@ def test_small_backwards_are_one_launch(n, dtype, per_head, rng, launches):
                 assert bool((a.view(np.uint8) == b.view(np.uint8)).all())
         if launched == 1:  # its ticket, in this stream's block
             stream = cupy.cuda.get_current_stream().ptr
-            control = launch._arenas[(kinds.CupyKind, x.device.id, stream)][1]
+            control = scratch._arenas[(kinds.CupyKind, x.device.id, stream)][1]
             memory = cupy.cuda.UnownedMemory(control, 4, x)
             ticket = cupy.ndarray((1,), np.uint32, cupy.cuda.MemoryPointer(memory, 0))
             assert int(ticket[0]) == 0
@@ -356,7 +356,7 @@ def test_per_thread_default_stream_takes_fresh_scratch(rng):
 
     import cupy
 
-    from cunorm import launch
+    from cunorm import scratch
 
     case = check.Case("layer_norm", 1024, 37, "float32", "float32")
     x, w, _, _ = check._inputs(case, rng)
@@ -385,8 +385,8 @@ def test_per_thread_default_stream_takes_fresh_scratch(rng):
     for r in results:
         for a, b in zip(r, want):
             assert bool((a.view(np.uint8) == b.view(np.uint8)).all())
-    assert cupy.cuda.Stream.ptds.ptr == launch.PER_THREAD_STREAM
-    assert not any(stream == launch.PER_THREAD_STREAM for _, _, stream in launch._arenas)
+    assert cupy.cuda.Stream.ptds.ptr == scratch.PER_THREAD_STREAM
+    assert not any(stream == scratch.PER_THREAD_STREAM for _, _, stream in scratch._arenas)
 
 
 @pytest.mark.parametrize("op", ["layer_norm", "rms_norm"])

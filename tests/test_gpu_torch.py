@@ -185,9 +185,9 @@ def test_scratch_is_reused_per_stream_and_never_by_a_graph(rng):
     a time gives. A CUDA graph captures fresh memory of its own, so a replay
     stays right after eager calls on its stream have grown (and freed) that
     stream's block."""
-    from cunorm import launch, kinds
+    from cunorm import kinds, scratch
 
-    launch._arenas.clear()
+    scratch._arenas.clear()
     n = 4096
     w = _tensor(n, torch.bfloat16, rng)
     xs = [_tensor((16, n), torch.bfloat16, rng, offset=1.0) for _ in range(2)]
@@ -208,14 +208,14 @@ def test_scratch_is_reused_per_stream_and_never_by_a_graph(rng):
         for result in got[i]:
             for a, b in zip(result, alone[i]):
                 assert torch.equal(a, b)
-    assert {(kinds.TorchKind, 0, s.cuda_stream) for s in streams} <= set(launch._arenas)
+    assert {(kinds.TorchKind, 0, s.cuda_stream) for s in streams} <= set(scratch._arenas)
 
     s = streams[0]
     g = torch.cuda.CUDAGraph()
-    before = dict(launch._arenas)
+    before = dict(scratch._arenas)
     with torch.cuda.graph(g, stream=s):
         captured = cunorm.layer_norm_backward(dys[0], xs[0], *stats[0], w)
-    assert launch._arenas == before  # the capture took memory of its own
+    assert scratch._arenas == before  # the capture took memory of its own
     # A call with more scratch than s's block holds (a two-launch backward under ARENA_BYTES): the block is
     # replaced, and the old one freed, before the replay.
     wide = _tensor((600, 1024), torch.bfloat16, rng)
@@ -228,8 +228,8 @@ def test_scratch_is_reused_per_stream_and_never_by_a_graph(rng):
         g.replay()
     s.synchronize()
     block = before[(kinds.TorchKind, 0, s.cuda_stream)][2]
-    assert block < plan.CALLS[key].scratch_bytes <= launch.ARENA_BYTES  # the case this test is about
-    assert launch._arenas[(kinds.TorchKind, 0, s.cuda_stream)][2] > block
+    assert block < plan.CALLS[key].scratch_bytes <= scratch.ARENA_BYTES  # the case this test is about
+    assert scratch._arenas[(kinds.TorchKind, 0, s.cuda_stream)][2] > block
     for a, b in zip(captured, alone[0]):
         assert torch.equal(a, b)
 

@@ -4,7 +4,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from cunorm import launch
+from cunorm import launch, scratch
 
 
 @pytest.fixture
@@ -77,7 +77,7 @@ def test_call_plan_binds_outputs_scratch_and_scalars(launched):
     finally:
         launch._current_device = monkey_device
     p = _slot_values(k)
-    first = 5000 + launch.CONTROL_BYTES  # a fresh block (the stream is no CUDA stream here): control words first
+    first = 5000 + scratch.CONTROL_BYTES  # a fresh block (the stream is no CUDA stream here): control words first
     assert p[:5] == [10, 0, 1000, first, first + 256]
     assert np.uint32(p[5]).view(np.float32) == 1.0
 
@@ -95,25 +95,25 @@ def test_scratch_arena_per_stream(monkeypatch):
             made.append(nbytes)
             return f"block{len(made)}", 1000 * len(made)
 
-    capturing = {7: False, 8: False, 9: True, launch.PER_THREAD_STREAM: False}
-    monkeypatch.setattr(launch, "_capturing", lambda stream: capturing[stream])
-    monkeypatch.setattr(launch, "_memset", lambda ptr, value, size, stream: cleared.append((ptr, size, stream)))
-    monkeypatch.setattr(launch, "_arenas", {})
-    c = launch.CONTROL_BYTES
-    assert launch.scratch_pointer(Kind, 0, 7, 100, False) == ("block1", 1000 + c, 1000)
-    assert launch.scratch_pointer(Kind, 0, 7, 5000, True) == ("block1", 1000 + c, 1000)  # reused: no clearing
-    assert launch.scratch_pointer(Kind, 0, 8, 100, True) == ("block2", 2000 + c, 2000)  # another stream
-    assert launch.scratch_pointer(Kind, 0, 7, 100 << 10, True) == ("block3", 3000 + c, 3000)  # grown
+    capturing = {7: False, 8: False, 9: True, scratch.PER_THREAD_STREAM: False}
+    monkeypatch.setattr(scratch, "_capturing", lambda stream: capturing[stream])
+    monkeypatch.setattr(scratch, "_memset", lambda ptr, value, size, stream: cleared.append((ptr, size, stream)))
+    monkeypatch.setattr(scratch, "_arenas", {})
+    c = scratch.CONTROL_BYTES
+    assert scratch.scratch_pointer(Kind, 0, 7, 100, False) == ("block1", 1000 + c, 1000)
+    assert scratch.scratch_pointer(Kind, 0, 7, 5000, True) == ("block1", 1000 + c, 1000)  # reused: no clearing
+    assert scratch.scratch_pointer(Kind, 0, 8, 100, True) == ("block2", 2000 + c, 2000)  # another stream
+    assert scratch.scratch_pointer(Kind, 0, 7, 100 << 10, True) == ("block3", 3000 + c, 3000)  # grown
     assert made == [c + (64 << 10), c + (64 << 10), c + (100 << 10)]
     assert cleared == [(1000, c, 7), (2000, c, 8), (3000, c, 7)]
-    monkeypatch.setattr(launch, "_graph_blocks", [])
-    assert launch.scratch_pointer(Kind, 0, 9, 100, True) == ("block4", 4000 + c, 4000)  # capturing: fresh, kept
-    assert launch._graph_blocks == ["block4"]
-    assert launch.scratch_pointer(Kind, 0, 7, launch.ARENA_BYTES + 1, False) == ("block5", 5000 + c, 5000)
+    monkeypatch.setattr(scratch, "_graph_blocks", [])
+    assert scratch.scratch_pointer(Kind, 0, 9, 100, True) == ("block4", 4000 + c, 4000)  # capturing: fresh, kept
+    assert scratch._graph_blocks == ["block4"]
+    assert scratch.scratch_pointer(Kind, 0, 7, scratch.ARENA_BYTES + 1, False) == ("block5", 5000 + c, 5000)
     # The per-thread default stream is one handle for a stream per thread: no arena.
-    assert launch.scratch_pointer(Kind, 0, launch.PER_THREAD_STREAM, 100, True) == ("block6", 6000 + c, 6000)
-    assert cleared[-2:] == [(4000, c, 9), (6000, c, launch.PER_THREAD_STREAM)] and len(cleared) == 5
-    assert len(launch._arenas) == 2 and launch._graph_blocks == ["block4"]
+    assert scratch.scratch_pointer(Kind, 0, scratch.PER_THREAD_STREAM, 100, True) == ("block6", 6000 + c, 6000)
+    assert cleared[-2:] == [(4000, c, 9), (6000, c, scratch.PER_THREAD_STREAM)] and len(cleared) == 5
+    assert len(scratch._arenas) == 2 and scratch._graph_blocks == ["block4"]
 
 
 def test_a_row_axes_parameter_takes_four_slots(launched):

@@ -78,9 +78,9 @@ def check_branch(args: dict, dropout_p, seed, return_mask: bool, x_name: str = "
     """Validates dropout_p (None: 0), seed, rowscale (args["rowscale"]) and return_dropout_mask."""
     if dropout_p is None:
         dropout_p = 0.0
-    if isinstance(dropout_p, (str, bytes, bool)) or np.ndim(dropout_p) != 0:
-        raise TypeError(f"dropout_p: expected a float, got {type(dropout_p).__name__}")
-    try:
+    try:  # a number: not text, a bool or an array (float() would take some of those)
+        if isinstance(dropout_p, (str, bytes, bool)) or np.ndim(dropout_p) != 0:
+            raise TypeError
         p = float(dropout_p)
     except (TypeError, ValueError):
         raise TypeError(f"dropout_p: expected a float, got {type(dropout_p).__name__}") from None

@@ -331,7 +331,7 @@ def compare(sizes, variants: dict, dtype: str = "bfloat16", weight_dtype: str | 
             repeat: int = 10, directions=DIRECTIONS, out=sys.stdout, ops=("fwd", "bwd", "rms", "rms-bwd")) -> dict:
     """Kernel variants timed side by side at `sizes` on `ops` (names of
     BENCH_OPS; by default LayerNorm and RMSNorm, forward and backward, without
-    a residual) in `directions`. `variants`: {label: keyword arguments for the op} (see `variants_of`), the
+    a residual; "qk" and "fp8" add those forward cases at their own shapes) in `directions`. `variants`: {label: keyword arguments for the op} (see `variants_of`), the
     first the baseline; torch's own op joins them where torch is importable.
     Each case runs `rounds` rounds, each timing every variant in turn, so that
     drift hits them alike; per variant, the fraction of a same-run copy as
@@ -348,8 +348,11 @@ def compare(sizes, variants: dict, dtype: str = "bfloat16", weight_dtype: str | 
     print(f"{'op':<16} {'N':>6}  {'variant':<26} {'of copy [min, max]':<22} {'us/call':>9}  verdict", file=out)
     pairs = {(op, d) for op, d in op_pairs(ops) if d in directions}
     cases = norm_cases(sizes, dtype, weight_dtype, NORM_OPS, directions=directions, native=True, only=pairs)
-    with progress(len(sizes) * len(pairs) * rounds, "timing variants", out) as (bar, echo):
-        for case in cases:
+    # The forward-only fused cases, with their own shapes (not `sizes`).
+    fused = [make for name, make in (("qk", qk_cases), ("fp8", fp8_cases)) if name in ops and "fwd" in directions]
+    count = len(sizes) * len(pairs) + len(fused)
+    with progress(count * rounds, "timing variants", out) as (bar, echo):
+        for case in itertools.chain(cases, *(make(dtype) for make in fused)):
             fns, skipped = {}, {}
             for label, kwargs in variants.items():
                 fn = functools.partial(case.call, **kwargs)

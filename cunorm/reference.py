@@ -160,8 +160,9 @@ def quantize_fp8(y, fmt: str, scaling: str, scale=None):
 
 # Dropout masks: Philox4x32-10 (Salmon et al., SC'11), counter-based, so a backward regenerates the forward's
 # mask from the seed instead of storing it. Element i of a tensor (flat index in C order over its logical
-# shape, whatever its layout) takes word i % 4 of Philox(counter = (i // 4 as two 32-bit halves, 0, 0),
-# key = (the seed's two 32-bit halves)), and is kept when that word is >= floor(p * 2^32).
+# shape, whatever its layout) takes word i % 4 of Philox(counter = (i // 4 as two 32-bit halves, stream, 0),
+# key = (the seed's two 32-bit halves)), and is kept when that word is >= floor(p * 2^32). Stream 0 is x's
+# mask, stream 1 that of the parallel branch x1.
 _PHILOX_M = (0xD2511F53, 0xCD9E8D57)
 _PHILOX_W = (0x9E3779B9, 0xBB67AE85)
 
@@ -181,12 +182,13 @@ def philox4x32(counter, key, rounds: int = 10):
     return np.stack([c0, c1, c2, c3], axis=-1).astype(np.uint32)
 
 
-def dropout_keep(shape: tuple, p: float, seed: int):
+def dropout_keep(shape: tuple, p: float, seed: int, stream: int = 0):
     """The keep mask (bool, `shape`) of dropout with probability p and `seed`,
-    as the kernels draw it (see the Philox note above)."""
+    as the kernels draw it (see the Philox note above; `stream` 1: x1's)."""
     size = int(np.prod(shape, dtype=np.int64))
     blocks = np.arange((size + 3) // 4, dtype=np.uint64)
-    counter = np.stack([blocks & 0xFFFFFFFF, blocks >> 32, np.zeros_like(blocks), np.zeros_like(blocks)], axis=-1)
+    counter = np.stack([blocks & 0xFFFFFFFF, blocks >> 32, np.full_like(blocks, stream), np.zeros_like(blocks)],
+                       axis=-1)
     seed = int(seed) & (2**64 - 1)
     words = philox4x32(counter, np.array([seed & 0xFFFFFFFF, seed >> 32], dtype=np.uint64)).reshape(-1)[:size]
     return (words >= np.uint32(dropout_threshold(p))).reshape(shape)
@@ -197,16 +199,16 @@ def dropout_threshold(p: float) -> int:
     return min(int(float(p) * 2**32), 2**32 - 1)
 
 
-def branch_input(x, *, dropout_p: float = 0.0, seed: int | None = None, rowscale=None):
+def branch_input(x, *, dropout_p: float = 0.0, seed: int | None = None, rowscale=None, stream: int = 0):
     """(x0 * rowscale * keep / (1 - p), keep) in float64: the branch summed with
     the residual before the norm (keep None without dropout). rowscale has
-    shape x.shape[:-1]."""
+    shape x.shape[:-1]; `stream` 1 draws the parallel branch x1's mask."""
     h = _f64(x)
     if rowscale is not None:
         h = h * _f64(rowscale)[..., None]
     keep = None
     if dropout_p:
-        keep = dropout_keep(h.shape, dropout_p, seed)
+        keep = dropout_keep(h.shape, dropout_p, seed, stream)
         h = np.where(keep, h / (1.0 - dropout_p), 0.0)
     return h, keep
 

@@ -316,10 +316,12 @@ __device__ __forceinline__ double load_cluster_shared(const double* local, unsig
 
 // Dropout masks (cunorm.reference.dropout_keep): element i of a tensor (flat
 // index in C order over its logical shape) takes word i % 4 of Philox4x32-10
-// with counter (i / 4 as two 32-bit halves, 0, 0) and key (the seed's two
+// with counter (i / 4 as two 32-bit halves, STREAM, 0) and key (the seed's two
 // halves), and is kept when that word is >= the threshold floor(p * 2^32).
+// STREAM 0 draws x's mask, 1 the parallel branch x1's.
+template <unsigned STREAM = 0>
 __device__ __forceinline__ uint4 cn_philox(unsigned long long block, unsigned long long seed) {
-  unsigned c0 = static_cast<unsigned>(block), c1 = static_cast<unsigned>(block >> 32), c2 = 0u, c3 = 0u;
+  unsigned c0 = static_cast<unsigned>(block), c1 = static_cast<unsigned>(block >> 32), c2 = STREAM, c3 = 0u;
   unsigned k0 = static_cast<unsigned>(seed), k1 = static_cast<unsigned>(seed >> 32);
 #pragma unroll
   for (int r = 0; r < 10; ++r) {
@@ -339,14 +341,14 @@ __device__ __forceinline__ uint4 cn_philox(unsigned long long block, unsigned lo
 
 // Bit e set when element first + e (e < N, consecutive flat indices) is kept: one Philox block per four
 // elements, drawn again only where the block changes.
-template <int N>
+template <int N, unsigned STREAM = 0>
 __device__ __forceinline__ unsigned cn_keep_bits(long long first, unsigned long long seed, unsigned threshold) {
   unsigned bits = 0u;
   uint4 w = make_uint4(0u, 0u, 0u, 0u);
 #pragma unroll
   for (int e = 0; e < N; ++e) {
     const unsigned long long i = static_cast<unsigned long long>(first + e);
-    if (e == 0 || (i & 3ull) == 0ull) w = cn_philox(i >> 2, seed);
+    if (e == 0 || (i & 3ull) == 0ull) w = cn_philox<STREAM>(i >> 2, seed);
     const unsigned k = static_cast<unsigned>(i & 3ull);
     const unsigned word = k == 0u ? w.x : k == 1u ? w.y : k == 2u ? w.z : w.w;
     bits |= (word >= threshold ? 1u : 0u) << e;

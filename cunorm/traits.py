@@ -222,13 +222,17 @@ class Traits:
     def full_tiles(self) -> bool:
         return self.aligned_rows and self.vec_cols % self.vec_cols_per_ldg == 0
 
+    def _vec_bytes(self, dtype: str) -> int:
+        """sizeof(Vec<T, ELTS_PER_LDG>): at least one 32-bit word (a lone 16-bit element takes its low half)."""
+        return max(4, self.elts_per_ldg * dtypes.itemsize(dtype))
+
     def _pipe_bytes(self, dtype: str) -> int:
-        return self.stages * self.stage_slots * self.elts_per_ldg * dtypes.itemsize(dtype) if self.stages > 1 else 0
+        return self.stages * self.stage_slots * self._vec_bytes(dtype) if self.stages > 1 else 0
 
     def _weight_slot_bytes(self, dtype: str) -> int:
         """A weight kept in shared-memory slots (general kernel, not cached in registers)."""
         in_smem = not self.cache_weights and not self.aligned_rows and not self.per_head
-        return self.stage_slots * self.elts_per_ldg * dtypes.itemsize(dtype) if in_smem else 0
+        return self.stage_slots * self._vec_bytes(dtype) if in_smem else 0
 
     @property
     def staged_dtypes(self) -> tuple:

@@ -75,6 +75,16 @@ def test_general_and_flag_sample_compiles():
     assert any(not t.aligned_rows for t in compiled) and any(t.rms and t.has_residual for t in compiled)
 
 
+def test_two_byte_weight_slots_compile():
+    """A 16-bit weight or bias kept in shared-memory slots by a one-element (4-byte) load of fp32 x: each
+    slot is a 32-bit word, as Traits.smem_bytes counts it (the kernel's static_assert checks the count)."""
+    for kw in (dict(bias_dtype="bfloat16"), dict(weight_dtype="float16", has_residual=True),
+               dict(weight_dtype="bfloat16", backward=True, from_output=True)):
+        t = Traits(hidden_size=4097, input_dtype="float32", aligned_rows=False, **kw, warps_n=9, ctas_per_row=4,
+                   bytes_per_ldg=4, stages=3, cache_weights=False)
+        assert compile_only(t, 90).clean, t.short()
+
+
 def test_cluster_traits_refuse_sm80():
     t = Traits(hidden_size=65536, input_dtype="bfloat16", warps_n=8, ctas_per_row=8)
     with pytest.raises(ValueError, match="clusters"):

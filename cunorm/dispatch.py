@@ -156,7 +156,7 @@ def heuristic(*, hidden_size: int, input_dtype: str, elts_per_ldg: int | None = 
         while hidden_size % elts_per_ldg:
             elts_per_ldg //= 2
     bytes_per_ldg = elts_per_ldg * itemsize
-    two_rows = backward or rest.get("has_residual", False)
+    two_rows = backward or rest.get("has_residual", False) or rest.get("x1_dtype") is not None
     ctas_options = (1, 2, 4, 8) if arch >= CLUSTER_MIN_ARCH else (1,)
     best, best_cost = None, math.inf
     for ctas in ctas_options:

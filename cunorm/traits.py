@@ -38,6 +38,7 @@ QUANT_MODES = ("none", "tensor", "row", "group")  # fp8 output scalings, as kern
 QUANT_GROUP_COLS = 128
 DTYPE_FIELDS = ("input_dtype", "weight_dtype", "bias_dtype", "output_dtype", "residual_dtype",
                 "residual_out_dtype", "compute_dtype")
+OPTIONAL_DTYPE_FIELDS = ("rowscale_dtype", "dx0_dtype", "x1_dtype", "weight1_dtype", "bias1_dtype", "dx1_dtype")
 
 
 @dataclass(frozen=True)
@@ -96,6 +97,14 @@ class Traits:
       writes dx0, the branch input's gradient.
     dropout_mask: (forward, with dropout) also store the keep mask.
     dx0_dtype: (backward, with a branch) dx0's dtype.
+    x1_dtype: (forward) the parallel branch x1, summed into h (dropped out
+      with its own mask; h is stored as residual_out); None: none.
+    weight1_dtype / bias1_dtype: a second weight (and bias) giving a second
+      output y1 = xhat * w1 (+ b1) from the same statistics (y1 in
+      output_dtype); the backward reads dy1 (output_dtype) and sums dweight1
+      (and dbias1). None: none.
+    dx1_dtype: (backward, with x1 and dropout) dx1's dtype (x1's gradient;
+      without dropout it is dx).
     """
 
     hidden_size: int
@@ -134,12 +143,16 @@ class Traits:
     rowscale_dtype: str | None = None
     dropout_mask: bool = False
     dx0_dtype: str | None = None
+    x1_dtype: str | None = None
+    weight1_dtype: str | None = None
+    bias1_dtype: str | None = None
+    dx1_dtype: str | None = None
 
     KNOBS = KNOBS  # what `traits=` may force and tuning varies
 
     def __post_init__(self):
         object.__setattr__(self, "input_dtype", dtypes.name_of(self.input_dtype))
-        for field in ("rowscale_dtype", "dx0_dtype"):  # optional dtypes: None, or a name
+        for field in OPTIONAL_DTYPE_FIELDS:  # None, or a name
             if getattr(self, field) is not None:
                 object.__setattr__(self, field, dtypes.name_of(getattr(self, field)))
         if self.compute_dtype is None:
@@ -170,6 +183,16 @@ class Traits:
     def branch(self) -> bool:
         """Dropout or a row scale before the residual add."""
         return self.dropout or self.rowscale_dtype is not None
+
+    @property
+    def parallel(self) -> bool:
+        """A second output y1 from a second weight."""
+        return self.weight1_dtype is not None
+
+    @property
+    def column_sums(self) -> int:
+        """(backward) Column-sum quantities a CTA keeps: dgamma and dbeta, and dgamma1 and dbeta1 (parallel)."""
+        return 4 if self.parallel else 2
 
     @property
     def threads_per_row(self) -> int:
@@ -239,11 +262,15 @@ class Traits:
         """Dtypes of the row tensors read through the row pipeline."""
         first = ("input_dtype", "output_dtype") if self.backward else ("input_dtype",)
         names = first + (("residual_dtype",) if self.has_residual else ())
+        if self.backward and self.parallel:
+            names += ("output_dtype",)  # dy1
+        elif not self.backward and self.x1_dtype is not None:
+            names += ("x1_dtype",)
         return tuple(getattr(self, n) for n in names)
 
     @property
     def holds_two_rows(self) -> bool:
-        return self.backward or self.has_residual
+        return self.backward or self.has_residual or self.x1_dtype is not None
 
     @property
     def stage_slots(self) -> int:
@@ -255,18 +282,21 @@ class Traits:
         vectors of every staged row tensor), weights kept in shared-memory slots
         ([WARPS_M][LDGS][THREADS_PER_ROW] vectors), and, in the backward, the
         column-sum slots (2 x [WARPS_M][LDGS][THREADS_PER_ROW] compute_t vectors) when
-        the sums live there or WARPS_M rows must be folded."""
+        the sums live there or WARPS_M rows must be folded (4 x with a second weight)."""
         staged = sum(self._pipe_bytes(d) for d in self.staged_dtypes)
+        second = [self.weight1_dtype] if self.parallel else []  # the second weight (and bias), after the first
         if self.backward:
             folds = self.smem_accumulators or self.warps_m > 1
-            sums = 2 * self.stage_slots * self.elts_per_ldg * dtypes.itemsize(self.compute_dtype) if folds else 0
+            sums = (self.column_sums * self.stage_slots * self.elts_per_ldg * dtypes.itemsize(self.compute_dtype)
+                    if folds else 0)
             weights = self._weight_slot_bytes(self.weight_dtype) if self.has_weight else 0
             if self.from_output and self.has_bias:  # the bias is read to recover xhat
                 weights += self._weight_slot_bytes(self.bias_dtype)
-            return sums + staged + weights
+            return sums + staged + weights + sum(map(self._weight_slot_bytes, second))
+        second += [self.bias1_dtype] if self.bias1_dtype is not None else []
         weights = ((self._weight_slot_bytes(self.weight_dtype) if self.has_weight else 0)
                    + (self._weight_slot_bytes(self.bias_dtype) if self.has_bias else 0))
-        return staged + weights
+        return staged + weights + sum(map(self._weight_slot_bytes, second))
 
     @property
     def source_file(self) -> str:
@@ -326,6 +356,13 @@ class Traits:
         rule((self.dx0_dtype is not None) == (self.backward and self.branch),
              "dx0_dtype is given exactly for a backward with dropout or a row scale")
         rule(not self.branch or self.quant == "none", "dropout and a row scale: not with fp8 outputs (yet)")
+        rule(not self.backward or self.x1_dtype is None, "x1_dtype is a forward field (the backward: dx1_dtype)")
+        rule(self.x1_dtype is None or self.rowscale_dtype is None, "x1: not with a row scale")
+        rule((self.dx1_dtype is not None) <= (self.backward and self.dropout),
+             "dx1_dtype is given only for a backward with dropout")
+        rule(self.bias1_dtype is None or self.parallel, "a second bias needs a second weight")
+        rule(not self.parallel or (self.quant == "none" and not self.per_head),
+             "a second weight: not with fp8 outputs or per-head weights")
         fp8 = self.output_dtype in dtypes.FP8_NAMES and not self.backward
         rule(self.quant in QUANT_MODES, f"QUANT must be one of {', '.join(QUANT_MODES)}")
         rule(fp8 == (self.quant != "none"), "an fp8 output (forward) needs a scaling (quant), and only it has one")
@@ -373,7 +410,11 @@ class Traits:
                                                      (f"rowscale={self.rowscale_dtype}",
                                                       self.rowscale_dtype is not None),
                                                      ("dropout-mask", self.dropout_mask),
-                                                     (f"dx0={self.dx0_dtype}", self.dx0_dtype is not None)) if on)
+                                                     (f"dx0={self.dx0_dtype}", self.dx0_dtype is not None),
+                                                     (f"x1={self.x1_dtype}", self.x1_dtype is not None),
+                                                     (f"weight1={self.weight1_dtype}", self.parallel),
+                                                     (f"bias1={self.bias1_dtype}", self.bias1_dtype is not None),
+                                                     (f"dx1={self.dx1_dtype}", self.dx1_dtype is not None)) if on)
         if self.has_residual:  # the residual read and residual_out written: two tensors, a dtype each
             flags += (f" dresidual={self.residual_dtype}" if self.backward else
                       f" residual={self.residual_dtype}->{self.residual_out_dtype}")
@@ -430,6 +471,14 @@ class Traits:
             "ROWSCALE_T": dtypes.cxx_type(self.rowscale_dtype or "float32"),
             "DROPOUT_MASK": "true" if self.dropout_mask else "false",
             "DX0_T": dtypes.cxx_type(self.dx0_dtype or "float32"),
+            "X1": int(self.x1_dtype is not None),
+            "X1_T": dtypes.cxx_type(self.x1_dtype or "float32"),
+            "PARALLEL": int(self.parallel),
+            "WEIGHT1_T": dtypes.cxx_type(self.weight1_dtype or "float32"),
+            "HAS_BIAS1": "true" if self.bias1_dtype is not None else "false",
+            "BIAS1_T": dtypes.cxx_type(self.bias1_dtype or "float32"),
+            "DX1": int(self.dx1_dtype is not None),
+            "DX1_T": dtypes.cxx_type(self.dx1_dtype or "float32"),
             "LDGS": self.ldgs,
             "THREADS_PER_CTA": self.threads_per_cta,
             "ELTS_PER_THREAD": self.elts_per_thread,

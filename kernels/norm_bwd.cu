@@ -37,15 +37,33 @@ constexpr bool ROWSCALE = ${ROWSCALE};
 typedef ${ROWSCALE_T} rowscale_t;
 typedef ${DX0_T} dx0_t;
 static_assert(BRANCH == (DROPOUT || ROWSCALE), "BRANCH is DROPOUT or ROWSCALE");
+// The forward's parallel block (see norm_fwd.cu): PARALLEL, a second output y1 = xhat * g1 (+ beta1), whose
+// gradient dy1 joins dy (g = dy * g + dy1 * g1) and gives dgamma1 (and dbeta1, HAS_BIAS1) as more column
+// sums; DX1, x1's gradient under dropout, dx1 = dx * keep1 / (1 - p) (Philox stream 1; without dropout it
+// is dx, and nothing is written).
+#define CN_PARALLEL ${PARALLEL}
+#define CN_DX1 ${DX1}
+constexpr bool PARALLEL = CN_PARALLEL;
+constexpr bool HAS_BIAS1 = ${HAS_BIAS1};
+constexpr bool DX1 = CN_DX1;
+typedef ${WEIGHT1_T} weight1_t;
+typedef ${BIAS1_T} bias1_t;
+typedef ${DX1_T} dx1_t;
+static_assert(!HAS_BIAS1 || PARALLEL, "dbeta1 needs gamma1");
+static_assert(!PARALLEL || !PER_HEAD, "gamma1: not with per-head weights");
+static_assert(!DX1 || DROPOUT, "dx1 is written under dropout only");
 using AccVec = Vec<compute_t, ELTS_PER_LDG>;
-// Column-sum slots of a CTA in shared memory: [2 (dgamma, dbeta)][WARPS_M][LDGS][THREADS_PER_ROW]
-// vectors. Used by the accumulators themselves, or (in registers) to fold WARPS_M rows into one.
+// Column-sum slots of a CTA in shared memory: [COLUMN_SUMS (dgamma, dbeta[, dgamma1, dbeta1])][WARPS_M][LDGS]
+// [THREADS_PER_ROW] vectors. Used by the accumulators themselves, or (in registers) to fold WARPS_M rows into one.
+constexpr int COLUMN_SUMS = PARALLEL ? 4 : 2;
 constexpr int ACC_SLOTS = WARPS_M * LDGS * THREADS_PER_ROW;
-constexpr int ACC_BYTES = (SMEM_ACCUMULATORS || WARPS_M > 1) ? 2 * ACC_SLOTS * int(sizeof(AccVec)) : 0;
-// Dynamic shared memory: [column-sum slots][staged x][staged dy][staged dresidual][gamma slots][beta slots].
+constexpr int ACC_BYTES = (SMEM_ACCUMULATORS || WARPS_M > 1) ? COLUMN_SUMS * ACC_SLOTS * int(sizeof(AccVec)) : 0;
+// Dynamic shared memory: [column-sum slots][staged x][staged dy][staged dresidual][gamma slots][beta slots]
+// [staged dy1][gamma1 slots].
 constexpr int SMEM_BYTES = ACC_BYTES + RowPipe<input_t>::BYTES + RowPipe<output_t>::BYTES +
                            RowPipe<residual_t, HAS_RESIDUAL>::BYTES + RowWeights<weight_t, HAS_WEIGHT>::BYTES +
-                           RowWeights<bias_t, FROM_OUTPUT && HAS_BIAS>::BYTES;
+                           RowWeights<bias_t, FROM_OUTPUT && HAS_BIAS>::BYTES + RowPipe<output_t, PARALLEL>::BYTES +
+                           RowWeights<weight1_t, PARALLEL>::BYTES;
 static_assert(SMEM_BYTES == ${SMEM_BYTES}, "cunorm.Traits.smem_bytes disagrees with the kernel");
 constexpr int SUMS = RMS ? 1 : 2;  // row sums: [sum(g),] sum(g * xhat)
 
@@ -151,7 +169,8 @@ __device__ __forceinline__ void fold_slots(const AccVec* slots, compute_t* part,
 constexpr int LAST_VEC = COLS % (16 / int(sizeof(compute_t))) == 0 ? 16 / int(sizeof(compute_t)) : 1;
 __device__ __forceinline__ void finalize_if_last(unsigned* ticket, int parts, long long heads,
                                                  const compute_t* gpart, const compute_t* bpart,
-                                                 weight_t* dgamma, bias_t* dbeta) {
+                                                 weight_t* dgamma, bias_t* dbeta, const compute_t* g1part,
+                                                 const compute_t* b1part, weight1_t* dgamma1, bias1_t* dbeta1) {
   using SumVec = Vec<compute_t, LAST_VEC>;
   __shared__ bool last;
   __threadfence();  // this thread's partial sums, device-visible before the ticket
@@ -165,24 +184,32 @@ __device__ __forceinline__ void finalize_if_last(unsigned* ticket, int parts, lo
   for (long long j = threadIdx.x; j < outputs; j += THREADS_PER_CTA) {
     const long long head = PER_HEAD ? j / ROW_VECS : 0;
     const long long v = PER_HEAD ? j % ROW_VECS : j;
-    SumVec g, b;
+    SumVec g, b, g1, b1;
     g.zero();
     b.zero();
+    g1.zero();
+    b1.zero();
 #pragma unroll 8
     for (long long p = head; p < parts; p += heads) {
-      SumVec pg, pb;
+      SumVec pg, pb, pg1, pb1;
       if (HAS_WEIGHT) pg.load_cg(gpart + p * COLS, v);
       if (HAS_BIAS) pb.load_cg(bpart + p * COLS, v);
+      if (PARALLEL) pg1.load_cg(g1part + p * COLS, v);
+      if (HAS_BIAS1) pb1.load_cg(b1part + p * COLS, v);
 #pragma unroll
       for (int e = 0; e < LAST_VEC; ++e) {
         if (HAS_WEIGHT) g.add(e, pg.get(e));
         if (HAS_BIAS) b.add(e, pb.get(e));
+        if (PARALLEL) g1.add(e, pg1.get(e));
+        if (HAS_BIAS1) b1.add(e, pb1.get(e));
       }
     }
 #pragma unroll
     for (int e = 0; e < LAST_VEC; ++e) {
       if (HAS_WEIGHT) dgamma[j * LAST_VEC + e] = from_float<weight_t>(g.get(e));
       if (HAS_BIAS) dbeta[j * LAST_VEC + e] = from_float<bias_t>(b.get(e));
+      if (PARALLEL) dgamma1[j * LAST_VEC + e] = from_float<weight1_t>(g1.get(e));
+      if (HAS_BIAS1) dbeta1[j * LAST_VEC + e] = from_float<bias1_t>(b1.get(e));
     }
   }
   if (threadIdx.x == 0) *ticket = 0u;
@@ -209,9 +236,31 @@ norm_bwd(const output_t* dy, const input_t* x, const residual_t* dresidual,
          , unsigned long long seed, unsigned drop_threshold, compute_t keep_scale,
          const rowscale_t* __restrict__ rowscale, dx0_t* dx0, row_stride_t lddx0
 #endif
+#if CN_PARALLEL
+         , const output_t* dy1, row_stride_t lddy1, const weight1_t* __restrict__ gamma1, long long gamma1_stride,
+         compute_t* __restrict__ dgamma1_part, compute_t* __restrict__ dbeta1_part
+#if CN_LAST_CTA_FINALIZE
+         , weight1_t* __restrict__ dgamma1, bias1_t* __restrict__ dbeta1
+#endif
+#endif
+#if CN_DX1
+         , dx1_t* dx1, row_stride_t lddx1
+#endif
 ) {
 #if !CN_PER_HEAD
   constexpr long long heads = 1, gamma_head_stride = 0;
+#endif
+#if !CN_PARALLEL
+  const output_t* const dy1 = nullptr;
+  const row_stride_t lddy1{};
+  const weight1_t* const gamma1 = nullptr;
+  constexpr long long gamma1_stride = 0;
+  compute_t* const dgamma1_part = nullptr;
+  compute_t* const dbeta1_part = nullptr;
+#endif
+#if !(CN_PARALLEL && CN_LAST_CTA_FINALIZE)
+  weight1_t* const dgamma1 = nullptr;
+  bias1_t* const dbeta1 = nullptr;
 #endif
   using InVec = Vec<input_t, ELTS_PER_LDG>;
   using GradVec = Vec<output_t, ELTS_PER_LDG>;
@@ -222,6 +271,9 @@ norm_bwd(const output_t* dy, const input_t* x, const residual_t* dresidual,
   CN_ROW_REDUCER(SUMS, reducer);
 
   ColumnSums<SMEM_ACCUMULATORS> dgamma_acc(acc_smem, at), dbeta_acc(acc_smem + ACC_SLOTS, at);
+  // PARALLEL's (registers, unused and optimized away, otherwise: their slots would lie past ACC_BYTES).
+  ColumnSums<SMEM_ACCUMULATORS && PARALLEL> dgamma1_acc(acc_smem + 2 * ACC_SLOTS, at),
+      dbeta1_acc(acc_smem + 3 * ACC_SLOTS, at);
   // Rows past the end (and columns past the row) arrive as zeros: g = 0
   // there, so they add nothing to the row sums or the column sums.
   unsigned char* next = smem + ACC_BYTES;
@@ -232,10 +284,14 @@ norm_bwd(const output_t* dy, const input_t* x, const residual_t* dresidual,
   RowPipe<residual_t, HAS_RESIDUAL> drs(next, dresidual, ldres, rows, at);
   next += drs.BYTES;
   const RowWeights<weight_t, HAS_WEIGHT> w(gamma, gamma_stride, next, at, heads, gamma_head_stride);
-#if CN_FROM_OUTPUT
   next += w.BYTES;
+#if CN_FROM_OUTPUT
   const RowWeights<bias_t, HAS_BIAS> bvals(beta, beta_stride, next, at, heads, beta_head_stride);
+  next += bvals.BYTES;
 #endif
+  RowPipe<output_t, PARALLEL> dy1s(next, dy1, lddy1, rows, at);
+  next += dy1s.BYTES;
+  const RowWeights<weight1_t, PARALLEL> w1(gamma1, gamma1_stride, next, at, 1, 0);
   // xhat of element e of LDG step `it` (v: x, or y FROM_OUTPUT; wv: gamma's vector there).
   auto xhat_of = [&](const InVec& v, const auto& wv, int it, int e, long long row, compute_t mu, compute_t rs) {
 #if CN_FROM_OUTPUT
@@ -258,30 +314,50 @@ norm_bwd(const output_t* dy, const input_t* x, const residual_t* dresidual,
   for_each_row(rows, at, [&](long long row, bool row_ok, int stage) {
     InVec xv[LDGS];
     GradVec dyv[LDGS];
+    GradVec dy1v[LDGS];  // unused without a second output
     xs.read(stage, row, xv, at);
     dys.read(stage, row, dyv, at);
+    if constexpr (PARALLEL) dy1s.read(stage, row, dy1v, at);
     const compute_t rs = row_ok ? rstd[row] : compute_t(0);
     const compute_t mu = (RMS || FROM_OUTPUT || !row_ok) ? compute_t(0) : mean[row];  // exact when |mu| >> std
     mask_row(xv, at);
     mask_row(dyv, at);
+    if constexpr (PARALLEL) mask_row(dy1v, at);
+    // g = dy * gamma (+ dy1 * gamma1) of element e of LDG step `it` (d: dy there; wv, w1v: the weights'
+    // vectors there).
+    auto g_of = [&](int it, int e, compute_t d, const auto& wv, const auto& w1v) -> compute_t {
+      const compute_t g = HAS_WEIGHT ? d * scale_of(wv.get(e)) : d;
+      if constexpr (PARALLEL) return cn_fma(compute_t(dy1v[it].get(e)), scale_of(w1v.get(e)), g);
+      else return g;
+    };
 
     compute_t sums[SUMS] = {};
 #pragma unroll
     for (int it = 0; it < LDGS; ++it) {
       const auto wv = w(it, at, row);
+      Vec<weight1_t, ELTS_PER_LDG> w1v;  // PARALLEL's (left unset and unused otherwise)
+      if constexpr (PARALLEL) w1v = w1(it, at, row);
       AccVec dg = dgamma_acc.get(it), db = dbeta_acc.get(it);
+      AccVec dg1 = dgamma1_acc.get(it), db1 = dbeta1_acc.get(it);
 #pragma unroll
       for (int e = 0; e < ELTS_PER_LDG; ++e) {
         const compute_t xhat = ZERO_XHAT ? compute_t(0) : xhat_of(xv[it], wv, it, e, row, mu, rs);
         const compute_t d = dyv[it].get(e);
-        const compute_t g = HAS_WEIGHT ? d * scale_of(wv.get(e)) : d;
+        const compute_t g = g_of(it, e, d, wv, w1v);
         if constexpr (!RMS) sums[0] += g;
         sums[SUMS - 1] = cn_fma(g, xhat, sums[SUMS - 1]);
         dg.add(e, d * xhat);
         db.add(e, d);
+        if constexpr (PARALLEL) {
+          const compute_t d1 = dy1v[it].get(e);
+          dg1.add(e, d1 * xhat);
+          db1.add(e, d1);
+        }
       }
       if (HAS_WEIGHT) dgamma_acc.put(it, dg);
       if (HAS_BIAS) dbeta_acc.put(it, db);
+      if (PARALLEL) dgamma1_acc.put(it, dg1);
+      if (HAS_BIAS1) dbeta1_acc.put(it, db1);
     }
     // RECOMPUTE: derive xhat and g again from the packed inputs below rather
     // than keep fp32 copies live across the reduction (fewer registers, more
@@ -291,6 +367,7 @@ norm_bwd(const output_t* dy, const input_t* x, const residual_t* dresidual,
       for (int it = 0; it < LDGS; ++it) {
         xv[it].opaque();
         dyv[it].opaque();
+        if constexpr (PARALLEL) dy1v[it].opaque();
       }
     }
     reducer.allreduce(sums, at);
@@ -305,12 +382,13 @@ norm_bwd(const output_t* dy, const input_t* x, const residual_t* dresidual,
         for (int it = 0; it < LDGS; ++it) {
           if (!at.in_row(it)) continue;
           const auto wv = w(it, at, row);
+          Vec<weight1_t, ELTS_PER_LDG> w1v;
+          if constexpr (PARALLEL) w1v = w1(it, at, row);
           compute_t out[ELTS_PER_LDG];
 #pragma unroll
           for (int e = 0; e < ELTS_PER_LDG; ++e) {
             const compute_t xhat = ZERO_XHAT ? compute_t(0) : xhat_of(xv[it], wv, it, e, row, mu, rs);
-            const compute_t d = dyv[it].get(e);
-            const compute_t g = HAS_WEIGHT ? d * scale_of(wv.get(e)) : d;
+            const compute_t g = g_of(it, e, dyv[it].get(e), wv, w1v);
             out[e] = ZERO_XHAT ? compute_t(0) : cn_fma(a, g, cn_fma(c, xhat, b));
             if constexpr (HAS_RESIDUAL) out[e] += dres[it].get(e);
           }
@@ -331,11 +409,24 @@ norm_bwd(const output_t* dy, const input_t* x, const residual_t* dresidual,
             store_vec<decltype(edges)::value>(o0, at.frame(dx0, row, lddx0), it, at);
           }
 #endif
+#if CN_DX1
+          {  // x1's gradient: its own keep mask (stream 1), no row scale
+            const unsigned keep1 =
+                cn_keep_bits<ELTS_PER_LDG, 1>(row * COLS + at.column(it, 0), seed, drop_threshold);
+            compute_t out1[ELTS_PER_LDG];
+#pragma unroll
+            for (int e = 0; e < ELTS_PER_LDG; ++e) out1[e] = (keep1 >> e) & 1u ? out[e] * keep_scale : compute_t(0);
+            Vec<dx1_t, ELTS_PER_LDG> o1;
+            o1.set_all(out1);
+            store_vec<decltype(edges)::value>(o1, at.frame(dx1, row, lddx1), it, at);
+          }
+#endif
         }
       });
     }
-  }, xs, dys, drs);
+  }, xs, dys, drs, dy1s);
 
+  static_assert(!PARALLEL || !PER_HEAD, "");
   if constexpr (PER_HEAD && (HAS_WEIGHT || HAS_BIAS)) {
     // A partial row per warp row, unfolded: the host sizes the grid so that each warp row's rows share a
     // head (the grid's row stride is a multiple of heads), and the finalize sums each head's partial rows.
@@ -345,20 +436,31 @@ norm_bwd(const output_t* dy, const input_t* x, const residual_t* dresidual,
   } else if constexpr (HAS_WEIGHT || HAS_BIAS) {
     compute_t* gpart = dgamma_part + at.group * COLS;
     compute_t* bpart = dbeta_part + at.group * COLS;
+    compute_t* g1part = dgamma1_part + at.group * COLS;  // PARALLEL
+    compute_t* b1part = dbeta1_part + at.group * COLS;
     if constexpr (WARPS_M == 1 && !SMEM_ACCUMULATORS) {
       if (HAS_WEIGHT) dgamma_acc.store(gpart, at);
       if (HAS_BIAS) dbeta_acc.store(bpart, at);
+      if (PARALLEL) dgamma1_acc.store(g1part, at);
+      if (HAS_BIAS1) dbeta1_acc.store(b1part, at);
     } else {
       dgamma_acc.spill_to_slots();
       dbeta_acc.spill_to_slots();
+      if constexpr (PARALLEL) {
+        dgamma1_acc.spill_to_slots();
+        dbeta1_acc.spill_to_slots();
+      }
       __syncthreads();
       if (HAS_WEIGHT) fold_slots(acc_smem, gpart, at, x, ldx);
       if (HAS_BIAS) fold_slots(acc_smem + ACC_SLOTS, bpart, at, x, ldx);
+      if (PARALLEL) fold_slots(acc_smem + 2 * ACC_SLOTS, g1part, at, x, ldx);
+      if (HAS_BIAS1) fold_slots(acc_smem + 3 * ACC_SLOTS, b1part, at, x, ldx);
     }
   }
   finish_cluster();
 #if CN_LAST_CTA_FINALIZE
-  finalize_if_last(ticket, parts, heads, dgamma_part, dbeta_part, dgamma, dbeta);
+  finalize_if_last(ticket, parts, heads, dgamma_part, dbeta_part, dgamma, dbeta, dgamma1_part, dbeta1_part, dgamma1,
+                   dbeta1);
 #endif
 }
 
@@ -380,48 +482,76 @@ norm_bwd_finalize(const compute_t* __restrict__ dgamma_part, const compute_t* __
 #if CN_PER_HEAD
                   , int heads
 #endif
+#if CN_PARALLEL
+                  , const compute_t* __restrict__ dgamma1_part, const compute_t* __restrict__ dbeta1_part,
+                  weight1_t* __restrict__ dgamma1, bias1_t* __restrict__ dbeta1
+#endif
 ) {
 #if !CN_PER_HEAD
   constexpr int heads = 1;
 #endif
+#if !CN_PARALLEL
+  const compute_t* const dgamma1_part = nullptr;
+  const compute_t* const dbeta1_part = nullptr;
+  weight1_t* const dgamma1 = nullptr;
+  bias1_t* const dbeta1 = nullptr;
+#endif
   constexpr int CTAS_PER_HEAD = (COLS / FIN_VEC + 31) / 32;
-  __shared__ FinVec warp_sums[2][FINALIZE_WARPS][32];
+  __shared__ FinVec warp_sums[COLUMN_SUMS][FINALIZE_WARPS][32];
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int head = PER_HEAD ? blockIdx.x / CTAS_PER_HEAD : 0;
   const int vec = (PER_HEAD ? blockIdx.x % CTAS_PER_HEAD : blockIdx.x) * 32 + lane;  // in units of FIN_VEC columns
   const bool ok = vec < COLS / FIN_VEC;
-  FinVec sg, sb;
+  FinVec sg, sb, sg1, sb1;  // sg1, sb1: PARALLEL's
   sg.zero();
   sb.zero();
+  sg1.zero();
+  sb1.zero();
   if (ok) {
     for (int p = head + warp * heads; p < parts; p += FINALIZE_WARPS * heads) {
-      FinVec g, b;
+      FinVec g, b, g1, b1;
       if (HAS_WEIGHT) g.load(dgamma_part + static_cast<long long>(p) * COLS, vec);
       if (HAS_BIAS) b.load(dbeta_part + static_cast<long long>(p) * COLS, vec);
+      if (PARALLEL) g1.load(dgamma1_part + static_cast<long long>(p) * COLS, vec);
+      if (HAS_BIAS1) b1.load(dbeta1_part + static_cast<long long>(p) * COLS, vec);
 #pragma unroll
       for (int e = 0; e < FIN_VEC; ++e) {
         if (HAS_WEIGHT) sg.add(e, g.get(e));
         if (HAS_BIAS) sb.add(e, b.get(e));
+        if (PARALLEL) sg1.add(e, g1.get(e));
+        if (HAS_BIAS1) sb1.add(e, b1.get(e));
       }
     }
   }
   warp_sums[0][warp][lane] = sg;
   warp_sums[1][warp][lane] = sb;
+  if constexpr (PARALLEL) {
+    warp_sums[2 % COLUMN_SUMS][warp][lane] = sg1;
+    warp_sums[3 % COLUMN_SUMS][warp][lane] = sb1;
+  }
   __syncthreads();
   if (warp == 0 && ok) {
     sg.zero();
     sb.zero();
+    sg1.zero();
+    sb1.zero();
 #pragma unroll
     for (int w = 0; w < FINALIZE_WARPS; ++w)
 #pragma unroll
       for (int e = 0; e < FIN_VEC; ++e) {
         sg.add(e, warp_sums[0][w][lane].get(e));
         sb.add(e, warp_sums[1][w][lane].get(e));
+        if constexpr (PARALLEL) {
+          sg1.add(e, warp_sums[2 % COLUMN_SUMS][w][lane].get(e));
+          sb1.add(e, warp_sums[3 % COLUMN_SUMS][w][lane].get(e));
+        }
       }
 #pragma unroll
     for (int e = 0; e < FIN_VEC; ++e) {
       if (HAS_WEIGHT) dgamma[head * COLS + vec * FIN_VEC + e] = from_float<weight_t>(sg.get(e));
       if (HAS_BIAS) dbeta[head * COLS + vec * FIN_VEC + e] = from_float<bias_t>(sb.get(e));
+      if (PARALLEL) dgamma1[head * COLS + vec * FIN_VEC + e] = from_float<weight1_t>(sg1.get(e));
+      if (HAS_BIAS1) dbeta1[head * COLS + vec * FIN_VEC + e] = from_float<bias1_t>(sb1.get(e));
     }
   }
 }

@@ -38,17 +38,35 @@ constexpr bool BRANCH = CN_BRANCH;
 constexpr bool DROPOUT = ${DROPOUT};
 constexpr bool ROWSCALE = ${ROWSCALE};
 constexpr bool DROPOUT_MASK = ${DROPOUT_MASK};
-constexpr bool STORES_H = HAS_RESIDUAL || BRANCH;  // h in compute_t, stored as residual_out
 typedef ${ROWSCALE_T} rowscale_t;
 static_assert(BRANCH == (DROPOUT || ROWSCALE), "BRANCH is DROPOUT or ROWSCALE");
 static_assert(!DROPOUT_MASK || DROPOUT, "a dropout mask needs dropout");
 
-// Dynamic shared memory: [staged x][staged residual][gamma slots][beta slots].
+// The parallel block (cunorm.reference.parallel_input): X1, a second branch input summed into h, dropped out
+// with a mask of its own (Philox stream 1; DROPOUT_MASK stores it too, in keep1_out); PARALLEL, a second
+// output y1 = xhat * g1 (+ beta1) from the same statistics, g1 = gamma1 or 1 + gamma1 (ZERO_CENTERED).
+#define CN_X1 ${X1}
+#define CN_PARALLEL ${PARALLEL}
+constexpr bool X1 = CN_X1;
+constexpr bool PARALLEL = CN_PARALLEL;
+constexpr bool HAS_BIAS1 = ${HAS_BIAS1};
+typedef ${X1_T} x1_t;
+typedef ${WEIGHT1_T} weight1_t;
+typedef ${BIAS1_T} bias1_t;
+static_assert(!X1 || !ROWSCALE, "x1: not with a row scale");
+static_assert(!PARALLEL || (QUANT == QUANT_NONE && !AMAX && !PER_HEAD), "y1: not with fp8 or per-head weights");
+static_assert(!HAS_BIAS1 || PARALLEL, "beta1 needs gamma1");
+constexpr bool STORES_H = HAS_RESIDUAL || BRANCH || X1;  // h in compute_t, stored as residual_out
+
+// Dynamic shared memory: [staged x][staged residual][gamma slots][beta slots][staged x1][gamma1 slots]
+// [beta1 slots].
 constexpr int SMEM_BYTES = RowPipe<input_t>::BYTES + RowPipe<residual_t, HAS_RESIDUAL>::BYTES +
-                           RowWeights<weight_t, HAS_WEIGHT>::BYTES + RowWeights<bias_t, HAS_BIAS>::BYTES;
+                           RowWeights<weight_t, HAS_WEIGHT>::BYTES + RowWeights<bias_t, HAS_BIAS>::BYTES +
+                           RowPipe<x1_t, X1>::BYTES + RowWeights<weight1_t, PARALLEL>::BYTES +
+                           RowWeights<bias1_t, HAS_BIAS1>::BYTES;
 static_assert(SMEM_BYTES == ${SMEM_BYTES}, "cunorm.Traits.smem_bytes disagrees with the kernel");
 
-// Row tensors (x, residual, y, residual_out) may alias one another (in place)
+// Row tensors (x, residual, y, residual_out; x1, y1) may alias one another (in place)
 // and so are not __restrict__.
 extern "C" __global__ void __launch_bounds__(THREADS_PER_CTA, MIN_CTAS_PER_SM) CN_CLUSTER_DIMS
 norm_fwd(const input_t* x, const residual_t* residual, const weight_t* __restrict__ gamma,
@@ -66,6 +84,13 @@ norm_fwd(const input_t* x, const residual_t* residual, const weight_t* __restric
          , unsigned long long seed, unsigned drop_threshold, compute_t keep_scale,
          const rowscale_t* __restrict__ rowscale, unsigned char* __restrict__ keep_out
 #endif
+#if CN_X1
+         , const x1_t* x1, row_stride_t ldx1, unsigned char* __restrict__ keep1_out
+#endif
+#if CN_PARALLEL
+         , const weight1_t* __restrict__ gamma1, const bias1_t* __restrict__ beta1, output_t* y1, row_stride_t ldy1,
+         long long gamma1_stride, long long beta1_stride
+#endif
 ) {
 #if !CN_PER_HEAD
   constexpr long long heads = 1, gamma_head_stride = 0, beta_head_stride = 0;
@@ -80,6 +105,18 @@ norm_fwd(const input_t* x, const residual_t* residual, const weight_t* __restric
   constexpr compute_t keep_scale = 1;
   const rowscale_t* const rowscale = nullptr;
   unsigned char* const keep_out = nullptr;
+#endif
+#if !CN_X1
+  const x1_t* const x1 = nullptr;
+  const row_stride_t ldx1{};
+  unsigned char* const keep1_out = nullptr;
+#endif
+#if !CN_PARALLEL
+  const weight1_t* const gamma1 = nullptr;
+  const bias1_t* const beta1 = nullptr;
+  output_t* const y1 = nullptr;
+  const row_stride_t ldy1{};
+  constexpr long long gamma1_stride = 0, beta1_stride = 0;
 #endif
   using InVec = Vec<input_t, ELTS_PER_LDG>;
   using ResVec = Vec<residual_t, ELTS_PER_LDG>;
@@ -96,6 +133,12 @@ norm_fwd(const input_t* x, const residual_t* residual, const weight_t* __restric
   const RowWeights<weight_t, HAS_WEIGHT> w(gamma, gamma_stride, next, at, heads, gamma_head_stride);
   next += w.BYTES;
   const RowWeights<bias_t, HAS_BIAS> b(beta, beta_stride, next, at, heads, beta_head_stride);
+  next += b.BYTES;
+  RowPipe<x1_t, X1> x1s(next, x1, ldx1, rows, at);
+  next += x1s.BYTES;
+  const RowWeights<weight1_t, PARALLEL> w1(gamma1, gamma1_stride, next, at, 1, 0);
+  next += w1.BYTES;
+  const RowWeights<bias1_t, HAS_BIAS1> b1(beta1, beta1_stride, next, at, 1, 0);
 
   constexpr compute_t inv_cols = compute_t(1) / compute_t(COLS);
 #if CN_QUANT == 2
@@ -105,8 +148,10 @@ norm_fwd(const input_t* x, const residual_t* residual, const weight_t* __restric
   for_each_row(rows, at, [&](long long row, bool row_ok, int stage) {
     InVec v[LDGS];
     ResVec r[LDGS];  // unused (and optimized away) without a residual
+    Vec<x1_t, ELTS_PER_LDG> v1[LDGS];  // unused without x1
     xs.read(stage, row, v, at);
     if constexpr (HAS_RESIDUAL) rs.read(stage, row, r, at);
+    if constexpr (X1) x1s.read(stage, row, v1, at);
     mask_row(v, at);
     SumVec h[LDGS];  // x (or the branch) + residual in compute_t (optimized away without either)
     if constexpr (HAS_RESIDUAL) mask_row(r, at);
@@ -133,11 +178,34 @@ norm_fwd(const input_t* x, const residual_t* residual, const weight_t* __restric
           }
         }
       }
-    } else if constexpr (HAS_RESIDUAL) {
+    } else if constexpr (HAS_RESIDUAL || X1) {
 #pragma unroll
       for (int it = 0; it < LDGS; ++it)
 #pragma unroll
-        for (int e = 0; e < ELTS_PER_LDG; ++e) h[it].set(e, v[it].get(e) + r[it].get(e));
+        for (int e = 0; e < ELTS_PER_LDG; ++e)
+          h[it].set(e, HAS_RESIDUAL ? v[it].get(e) + r[it].get(e) : compute_t(v[it].get(e)));
+    }
+    if constexpr (X1) {  // the parallel branch: dropped out with its own mask (stream 1), added to h
+      mask_row(v1, at);
+#pragma unroll
+      for (int it = 0; it < LDGS; ++it) {
+        const unsigned keep =
+            DROPOUT ? cn_keep_bits<ELTS_PER_LDG, 1>(row * COLS + at.column(it, 0), seed, drop_threshold) : ~0u;
+#pragma unroll
+        for (int e = 0; e < ELTS_PER_LDG; ++e) {
+          compute_t x1e = v1[it].get(e);
+          if constexpr (DROPOUT) x1e = (keep >> e) & 1u ? x1e * keep_scale : compute_t(0);
+          h[it].set(e, h[it].get(e) + x1e);
+        }
+        if constexpr (DROPOUT_MASK) {
+          if (row_ok) {
+#pragma unroll
+            for (int e = 0; e < ELTS_PER_LDG; ++e)
+              if (at.valid(it, e))
+                keep1_out[row * COLS + at.column(it, e)] = static_cast<unsigned char>((keep >> e) & 1u);
+          }
+        }
+      }
     }
     // Element e of LDG step `it` of h; zero outside the row.
     auto value = [&](int it, int e) -> compute_t {
@@ -182,11 +250,14 @@ norm_fwd(const input_t* x, const residual_t* residual, const weight_t* __restric
     const bool finite = cn_isfinite(sq[0]);
     const compute_t rstd = finite ? cn_rsqrt(sq[0] * inv_cols + eps) : cn_nan<compute_t>();
     if (!finite) mean = rstd;
+    // xhat of element e of LDG step `it`: (h - mean) * rstd, not h * rstd - mean * rstd: exact even when
+    // |mean| >> std. A row of one element normalizes to 0 (y = beta), whatever eps. NaN rows stay NaN.
+    auto xhat_at = [&](int it, int e) -> compute_t {
+      return (!RMS && COLS == 1) ? 0 * rstd : (value(it, e) - mean) * rstd;
+    };
     // xhat * g of element e of LDG step `it` (wv: gamma's vector there); y adds beta.
     auto scaled_at = [&](int it, int e, const auto& wv) -> compute_t {
-      // (h - mean) * rstd, not h * rstd - mean * rstd: exact even when |mean| >> std.
-      // A row of one element normalizes to 0 (y = beta), whatever eps.
-      const compute_t xhat = (!RMS && COLS == 1) ? 0 * rstd : (value(it, e) - mean) * rstd;  // NaN rows stay NaN
+      const compute_t xhat = xhat_at(it, e);
       return HAS_WEIGHT ? xhat * scale_of(wv.get(e)) : xhat;
     };
     float inv_scale = 1.f;  // QUANT: what y is multiplied by before rounding to fp8
@@ -264,6 +335,19 @@ norm_fwd(const input_t* x, const residual_t* residual, const weight_t* __restric
             ho.set_all(hs);
             store_vec<EDGES>(ho, at.frame(residual_out, row, ldro), it, at);
           }
+          if constexpr (PARALLEL) {
+            const auto w1v = w1(it, at, row);
+            const auto b1v = b1(it, at, row);
+            compute_t out1[ELTS_PER_LDG];
+#pragma unroll
+            for (int e = 0; e < ELTS_PER_LDG; ++e) {
+              const compute_t scaled = xhat_at(it, e) * scale_of(w1v.get(e));
+              out1[e] = HAS_BIAS1 ? scaled + b1v.get(e) : scaled;
+            }
+            Vec<output_t, ELTS_PER_LDG> o1;
+            o1.set_all(out1);
+            store_vec<EDGES>(o1, at.frame(y1, row, ldy1), it, at);
+          }
         }
       });
       if (at.row_leader()) {
@@ -271,7 +355,7 @@ norm_fwd(const input_t* x, const residual_t* residual, const weight_t* __restric
         if (rstd_out) rstd_out[row] = rstd;
       }
     }
-  }, xs, rs);
+  }, xs, rs, x1s);
   if constexpr (AMAX) {  // max of non-negative floats: their bits order as unsigned integers
     const float m = warp_max(thread_amax);
 #if CN_QUANT || CN_AMAX

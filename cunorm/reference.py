@@ -110,6 +110,18 @@ def rms_norm_backward(dy, x, rstd, weight=None, *, dresidual=None, zero_centered
     return dx, dweight
 
 
+def parallel_backward(dy, dy1, xhat, rstd, weight, weight1, *, rms: bool = False, dresidual=None,
+                      zero_centered_weight: bool = False):
+    """(dx, dweight, dbias, dweight1, dbias1) in float64 of the parallel block's two outputs y = xhat * w + b
+    and y1 = xhat * w1 + b1 (g = dy * w + dy1 * w1), given xhat (float64) and rstd."""
+    dy, dy1, rstd = _f64(dy), _f64(dy1), _f64(rstd)[..., None]
+    w, w1 = (_effective_weight(a, zero_centered_weight) for a in (weight, weight1))
+    g = dy * w + dy1 * w1
+    dx = _row_grads(g, xhat, rstd, None, dresidual, centered=not rms)
+    lead = _summed_axes(xhat, weight)
+    return dx, (dy * xhat).sum(axis=lead), dy.sum(axis=lead), (dy1 * xhat).sum(axis=lead), dy1.sum(axis=lead)
+
+
 def norm_backward_from_output(dy, y, rstd, weight=None, bias=None, *, rms: bool = False, dresidual=None,
                               zero_centered_weight: bool = False):
     """(dx, dweight, dbias) in float64 from the forward's output y (the

@@ -40,14 +40,14 @@ def _eps_bits(eps) -> tuple:
     return bits
 
 
-def _branch(dropout_p, seed, rowscale, return_mask):
-    """The branch arguments of a call, or None where it has no branch (the cached path): no dropout, no row
-    scale, no mask asked for (a seed alone draws nothing and is ignored; anything but a number as dropout_p is
-    refused by `calls.check_branch`)."""
+def _branch(dropout_p, seed, rowscale, return_mask, x1, weight1, bias1):
+    """The branch and parallel arguments of a forward, or None where it has neither (the plain cached path):
+    no dropout, no row scale, no mask asked for, no x1, no second weight (a seed alone draws nothing and is
+    ignored; anything but a number as dropout_p is refused by `calls.check_branch`)."""
     if (dropout_p is None or dropout_p.__class__ in (float, int) and not dropout_p) and rowscale is None \
-            and not return_mask:
+            and not return_mask and x1 is None and weight1 is None and bias1 is None:
         return None
-    return dropout_p, seed, rowscale, return_mask
+    return dropout_p, seed, rowscale, return_mask, x1, weight1, bias1
 
 
 # Each public op first tries its cached plan (`plan.call_key`: the flags,
@@ -68,16 +68,16 @@ def _check_as_on_gpu(prepare, args: dict, base: dict, traits, source=None):
 def _forward_call(rms, x, weight, bias, eps, residual, residual_dtype, zero_centered_weight, return_stats,
                   out_dtype, out, traits, source, scale=None, scaling=None, return_amax=False, branch=None):
     """A forward call: its cached plan, or `_forward`. (Positional arguments: the hit path is counted in µs.)
-    `branch`: (dropout_p, seed, rowscale, return_dropout_mask) where any is given: keyed apart, with the
-    rowscale among the arrays, whether there is dropout and the mask among the flags; the per-call values
-    (dropout_p, seed) are checked on every call (`_branch_call_bits`)."""
+    `branch`: (dropout_p, seed, rowscale, return_dropout_mask, x1, weight1, bias1) where any is given: keyed
+    apart, with rowscale, x1, weight1 and bias1 among the arrays, whether there is dropout and the mask among
+    the flags; the per-call values (dropout_p, seed) are checked on every call (`_branch_call_bits`)."""
     if branch is not None:
-        p, seed, rowscale, return_mask = branch
+        p, seed, rowscale, return_mask, x1, weight1, bias1 = branch
         branch_bits = _branch_call_bits(p, seed)
         if branch_bits is None:  # not plain numbers: the full checks say why, or take them
             return _forward(rms, None, None, x, weight, bias, eps, residual, residual_dtype, zero_centered_weight,
                             return_stats, out_dtype, out, traits, source, scale, scaling, return_amax, branch)
-        values = (x, weight, bias, residual, out, scale, rowscale)
+        values = (x, weight, bias, residual, out, scale, rowscale, x1, weight1, bias1)
         key, ptrs = _call_key(values, (rms, residual_dtype, zero_centered_weight, return_stats, out_dtype, scaling,
                                        return_amax, source, "branch", p > 0, bool(return_mask), traits))
         hit = _CALLS.get(key)
@@ -101,6 +101,7 @@ def _forward_call(rms, x, weight, bias, eps, residual, residual_dtype, zero_cent
 
 def _forward(rms, key, ptrs, x, weight, bias, eps, residual, residual_dtype, zero_centered_weight, return_stats,
              out_dtype, out, traits, source, scale=None, scaling=None, return_amax=False, branch=None):
+    extended = branch is not None  # its cache key names the branch and parallel arrays
     args, on_gpu, base, eps, branch = calls.forward_args(rms, x, weight, bias, eps, residual, residual_dtype,
                                                          zero_centered_weight, out_dtype, out, scale, scaling,
                                                          return_amax, *(branch or ()))
@@ -108,7 +109,7 @@ def _forward(rms, key, ptrs, x, weight, bias, eps, residual, residual_dtype, zer
         _check_as_on_gpu(plans.forward_prepare, args, base, traits, source)
         return cpu.forward(args, base, eps, rms, return_stats, branch)
     with plan.on_device(args["x"].array.device_id):
-        call, _ = plans.forward_plan(args, base, traits, rms, bool(return_stats), source)
+        call, _ = plans.forward_plan(args, base, traits, rms, bool(return_stats), source, extended=extended)
     plan.remember(key, call)
     bits = _eps_bits(eps) + (_branch_bits(branch) if branch.on else ())
     return call.run(*_objs_and_ptrs(args, call.names), bits)
@@ -135,6 +136,7 @@ def _branch_bits(branch) -> tuple:
 
 def _backward(rms, key, dy, x, mean, rstd, weight, has_bias, bias_dtype, dresidual, zero_centered_weight, out,
               traits, source, y=None, bias=None, branch=None):
+    extended = branch is not None  # its cache key names the branch and parallel arrays
     args, on_gpu, base, branch, dx0_dtype = calls.backward_args(rms, dy, x, mean, rstd, weight, has_bias, bias_dtype,
                                                                 dresidual, zero_centered_weight, out, y, bias,
                                                                 *(branch or ()))
@@ -142,22 +144,25 @@ def _backward(rms, key, dy, x, mean, rstd, weight, has_bias, bias_dtype, dresidu
         _check_as_on_gpu(plans.backward_prepare, args, base, traits, source)
         return cpu.backward(args, base, rms, branch, dx0_dtype)
     with plan.on_device(args["x"].array.device_id):
-        call, _ = plans.backward_plan(args, base, traits, rms, source)
+        call, _ = plans.backward_plan(args, base, traits, rms, source, extended=extended, has_x1=branch.x1)
     plan.remember(key, call)
     return call.run(*_objs_and_ptrs(args, call.names), _branch_bits(branch) if branch.on else ())
 
 
 def _backward_branch(rms, dy, x, mean, rstd, weight, has_bias, bias_dtype, dresidual, zero_centered_weight, out,
                      traits, source, y, bias, branch):
-    """A backward after a forward with a branch: keyed apart as the forward's (`_forward_call`)."""
-    p, seed, rowscale, dx0_dtype = branch
+    """A backward after a forward with a branch or the parallel block: keyed apart as the forward's
+    (`_forward_call`). `branch`: (dropout_p, seed, rowscale, dx0_dtype, dy1, weight1, has_bias1, bias1_dtype,
+    has_x1, dx1_dtype)."""
+    p, seed, rowscale, dx0_dtype, dy1, weight1, has_bias1, bias1_dtype, has_x1, dx1_dtype = branch
     branch_bits = _branch_call_bits(p, seed)
     if branch_bits is None:
         return _backward(rms, None, dy, x, mean, rstd, weight, has_bias, bias_dtype, dresidual, zero_centered_weight,
                          out, traits, source, y, bias, branch)
-    values = (dy, x if y is None else y, mean, rstd, weight, dresidual, out, bias, rowscale)
+    values = (dy, x if y is None else y, mean, rstd, weight, dresidual, out, bias, rowscale, dy1, weight1)
     key, ptrs = _call_key(values, (3 if rms else 2, has_bias, bias_dtype, zero_centered_weight, y is None, source,
-                                   "branch", p > 0, dx0_dtype, traits))
+                                   "branch", p > 0, dx0_dtype, bool(has_bias1), bias1_dtype, bool(has_x1), dx1_dtype,
+                                   traits))
     hit = _CALLS.get(key)
     if hit is not None:
         return hit.run(values, ptrs, branch_bits)
@@ -167,8 +172,8 @@ def _backward_branch(rms, dy, x, mean, rstd, weight, has_bias, bias_dtype, dresi
 
 def layer_norm(x, weight=None, bias=None, eps=1e-5, *, residual=None, residual_dtype=None,
                zero_centered_weight=False, return_stats=False, out_dtype=None, out=None, scale=None, scaling=None,
-               return_amax=False, dropout_p=0.0, seed=None, rowscale=None, return_dropout_mask=False, traits=None,
-               source=None):
+               return_amax=False, dropout_p=0.0, seed=None, rowscale=None, return_dropout_mask=False, x1=None,
+               weight1=None, bias1=None, traits=None, source=None):
     """LayerNorm over the last axis: y = (h - mean) / sqrt(var + eps) * w + bias,
     where h = x, or h = x + residual (summed in fp32) when a residual is given,
     and w = weight, or 1 + weight with `zero_centered_weight=True` (in fp32).
@@ -210,15 +215,25 @@ def layer_norm(x, weight=None, bias=None, eps=1e-5, *, residual=None, residual_d
     says which elements). With either, residual_out = h is returned after y
     even without a residual (the backward takes it as x); with
     `return_dropout_mask=True` the keep mask (bool, x's shape) follows it.
+
+    The parallel block (GPT-J / GPT-NeoX): `x1` (x's shape, any dtype) is a
+    second branch summed into h, dropped out with a mask of its own (Philox
+    stream 1; not with a row scale); h is then returned as residual_out, and
+    with `return_dropout_mask=True` x1's mask follows x's. `weight1` (and
+    `bias1`) give a second output y1 = xhat * w1 + bias1 from the same
+    statistics (w1 = weight1, or 1 + weight1 when zero-centered; y1 in y's
+    dtype; needs a weight; not with fp8 or per-head weights), returned right
+    after y: (y, y1, residual_out, masks..., stats...).
     """
     return _forward_call(False, x, weight, bias, eps, residual, residual_dtype, zero_centered_weight, return_stats,
                          out_dtype, out, traits, source, scale, scaling, return_amax,
-                         _branch(dropout_p, seed, rowscale, return_dropout_mask))
+                         _branch(dropout_p, seed, rowscale, return_dropout_mask, x1, weight1, bias1))
 
 
 def rms_norm(x, weight=None, eps=1e-6, *, bias=None, residual=None, residual_dtype=None, zero_centered_weight=False,
              return_stats=False, out_dtype=None, out=None, scale=None, scaling=None, return_amax=False, dropout_p=0.0,
-             seed=None, rowscale=None, return_dropout_mask=False, traits=None, source=None):
+             seed=None, rowscale=None, return_dropout_mask=False, x1=None, weight1=None, bias1=None, traits=None,
+             source=None):
     """RMSNorm over the last axis: y = h * rstd * w (+ bias) with rstd = 1 / sqrt(mean(h^2) + eps),
     h = x or x + residual (fp32), w = weight or 1 + weight (`zero_centered_weight`).
 
@@ -226,16 +241,25 @@ def rms_norm(x, weight=None, eps=1e-6, *, bias=None, residual=None, residual_dty
     float32 rstd is appended. Layouts, dtypes, `out=`, `traits=` and
     `source=` as in `layer_norm`, and fp8 outputs (`scale=`, `scaling=`,
     `return_amax=`) and the branch's dropout and row scale (`dropout_p=`,
-    `seed=`, `rowscale=`, `return_dropout_mask=`) too.
+    `seed=`, `rowscale=`, `return_dropout_mask=`) and the parallel block
+    (`x1=`, `weight1=`, `bias1=`) too.
     """
     return _forward_call(True, x, weight, bias, eps, residual, residual_dtype, zero_centered_weight, return_stats,
                          out_dtype, out, traits, source, scale, scaling, return_amax,
-                         _branch(dropout_p, seed, rowscale, return_dropout_mask))
+                         _branch(dropout_p, seed, rowscale, return_dropout_mask, x1, weight1, bias1))
+
+
+def _backward_extra(dropout_p, rowscale, dx0_dtype, dy1, weight1, has_bias1, bias1_dtype, has_x1, dx1_dtype) -> bool:
+    """Whether a backward has a branch or the parallel block (`_backward_branch`), not the plain cached path."""
+    return not ((dropout_p is None or dropout_p.__class__ in (float, int) and not dropout_p) and rowscale is None
+                and dx0_dtype is None and dy1 is None and weight1 is None and not has_bias1 and bias1_dtype is None
+                and not has_x1 and dx1_dtype is None)
 
 
 def layer_norm_backward(dy, x=None, mean=None, rstd=None, weight=None, *, y=None, bias=None, has_bias=True,
                         bias_dtype=None, dresidual=None, zero_centered_weight=False, out=None, dropout_p=0.0,
-                        seed=None, rowscale=None, dx0_dtype=None, traits=None, source=None):
+                        seed=None, rowscale=None, dx0_dtype=None, dy1=None, weight1=None, has_bias1=False,
+                        bias1_dtype=None, has_x1=False, dx1_dtype=None, traits=None, source=None):
     """Gradients of `layer_norm` given dy and the forward's saved mean and rstd.
 
     x is what was normalized (residual_out when a residual was used). Returns
@@ -259,11 +283,18 @@ def layer_norm_backward(dy, x=None, mean=None, rstd=None, weight=None, *, y=None
     the result gains dx0, the gradient of the branch input, after dx (which
     is h's gradient: the residual's), in `dx0_dtype` (default x's dtype):
     (dx, dx0, dweight, dbias).
+
+    After a forward with the parallel block: `has_x1=True` adds x1's
+    gradient dx1 after dx0 (in `dx1_dtype`, default x's, under dropout; dx
+    itself without dropout); `dy1` (y1's gradient, dy's shape and dtype) with
+    `weight1` adds dweight1 and dbias1 (None unless `has_bias1`, in
+    `bias1_dtype`, default weight1's) at the end:
+    (dx, [dx0], [dx1], dweight, dbias, [dweight1, dbias1]).
     """
-    branch = _branch(dropout_p, seed, rowscale, False)
-    if branch is not None or dx0_dtype is not None:
+    if _backward_extra(dropout_p, rowscale, dx0_dtype, dy1, weight1, has_bias1, bias1_dtype, has_x1, dx1_dtype):
         return _backward_branch(False, dy, x, mean, rstd, weight, has_bias, bias_dtype, dresidual, zero_centered_weight,
-                                out, traits, source, y, bias, (dropout_p, seed, rowscale, dx0_dtype))
+                                out, traits, source, y, bias, (dropout_p, seed, rowscale, dx0_dtype, dy1, weight1,
+                                                               has_bias1, bias1_dtype, has_x1, dx1_dtype))
     values = (dy, x if y is None else y, mean, rstd, weight, dresidual, out, bias)
     key, ptrs = _call_key(values, (2, has_bias, bias_dtype, zero_centered_weight, y is None, source, traits))
     hit = _CALLS.get(key)
@@ -275,16 +306,18 @@ def layer_norm_backward(dy, x=None, mean=None, rstd=None, weight=None, *, y=None
 
 def rms_norm_backward(dy, x=None, rstd=None, weight=None, *, y=None, bias=None, has_bias=False, bias_dtype=None,
                       dresidual=None, zero_centered_weight=False, out=None, dropout_p=0.0, seed=None, rowscale=None,
-                      dx0_dtype=None, traits=None, source=None):
+                      dx0_dtype=None, dy1=None, weight1=None, has_bias1=False, bias1_dtype=None, has_x1=False,
+                      dx1_dtype=None, traits=None, source=None):
     """Gradients of `rms_norm`: (dx, dweight), as in `layer_norm_backward`;
     (dx, dweight, dbias) with `has_bias=True` (a forward with a bias). The
     memory-efficient form takes `y=` (and `bias=` if the forward had one)
     in place of x, and a forward with dropout or a row scale adds dx0 after
-    dx, as in `layer_norm_backward`."""
-    branch = _branch(dropout_p, seed, rowscale, False)
-    if branch is not None or dx0_dtype is not None:
+    dx, as in `layer_norm_backward`; the parallel block adds dx1 (`has_x1`)
+    and, with `dy1` and `weight1`, dweight1 (and dbias1 with `has_bias1`)."""
+    if _backward_extra(dropout_p, rowscale, dx0_dtype, dy1, weight1, has_bias1, bias1_dtype, has_x1, dx1_dtype):
         return _backward_branch(True, dy, x, None, rstd, weight, has_bias, bias_dtype, dresidual, zero_centered_weight,
-                                out, traits, source, y, bias, (dropout_p, seed, rowscale, dx0_dtype))
+                                out, traits, source, y, bias, (dropout_p, seed, rowscale, dx0_dtype, dy1, weight1,
+                                                               has_bias1, bias1_dtype, has_x1, dx1_dtype))
     values = (dy, x if y is None else y, None, rstd, weight, dresidual, out, bias)
     key, ptrs = _call_key(values, (3, has_bias, bias_dtype, zero_centered_weight, y is None, source, traits))
     hit = _CALLS.get(key)

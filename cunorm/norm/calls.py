@@ -25,14 +25,17 @@ class Direction:
     in_place: dict  # {output name: the inputs it may be exactly}
 
 
-FORWARD = Direction(("x", "weight", "bias", "residual", "out", "scale"), ("x", "residual"),
-                    ("weight", "bias", "scale", "rowscale"), {"out": ("x",)})
-BRANCH_ARRAYS = ("rowscale",)  # the arrays a call with a branch names after its direction's
+FORWARD = Direction(("x", "weight", "bias", "residual", "out", "scale"), ("x", "residual", "x1"),
+                    ("weight", "bias", "scale", "rowscale", "weight1", "bias1"), {"out": ("x",)})
+# The arrays a call with a branch (dropout, a row scale) or the parallel block (x1, a second weight) names
+# after its direction's.
+BRANCH_ARRAYS = {"forward": ("rowscale", "x1", "weight1", "bias1"), "backward": ("rowscale", "dy1", "weight1")}
 SCALINGS = ("tensor", "row", "group")  # fp8 output scalings (traits.QUANT_MODES less "none")
 # The backward's "x" is y, the forward's output, in the memory-efficient form (`from_output`), which also
 # reads the forward's bias.
-BACKWARD = Direction(("dy", "x", "mean", "rstd", "weight", "dresidual", "out", "bias"), ("x", "dy", "dresidual"),
-                     ("weight", "mean", "rstd", "bias", "rowscale"), {"out": ("dy", "dresidual")})
+BACKWARD = Direction(("dy", "x", "mean", "rstd", "weight", "dresidual", "out", "bias"),
+                     ("x", "dy", "dresidual", "dy1"), ("weight", "mean", "rstd", "bias", "rowscale", "weight1"),
+                     {"out": ("dy", "dresidual")})
 
 
 def hidden_size(x: arrays.Arg) -> int:
@@ -65,10 +68,17 @@ class Branch:
     rowscale: bool = False
     return_mask: bool = False
     h_dtype: str | None = None  # residual_out's dtype without a residual (residual_dtype=; default x's)
+    x1: bool = False  # the parallel branch x1 (forward) or its gradient asked for (backward, has_x1)
 
     @property
     def on(self) -> bool:
+        """Whether x's branch transforms it (dropout, a row scale)."""
         return bool(self.dropout_p) or self.rowscale
+
+    @property
+    def writes_h(self) -> bool:
+        """(forward) Whether h is written as residual_out without a residual."""
+        return self.on or self.x1
 
 
 NO_BRANCH = Branch()
@@ -163,15 +173,17 @@ def call_base(*, rms: bool, backward: bool, hidden_size: int, input_dtype: str, 
               weight_dtype: str | None, bias_dtype: str | None, residual_dtype: str | None,
               zero_centered: bool, residual_out_dtype: str | None = None, per_head: bool = False,
               from_output: bool = False, quant: str = "none", amax: bool = False, branch: Branch = NO_BRANCH,
-              rowscale_dtype: str | None = None) -> dict:
+              rowscale_dtype: str | None = None, x1_dtype: str | None = None, weight1_dtype: str | None = None,
+              bias1_dtype: str | None = None, dx1_dtype: str | None = None) -> dict:
     """The dispatch fields of a call (absent arguments: None dtypes). The
     residual read (forward) or dresidual (backward) and the residual_out
     written (forward only) are two tensors with a dtype each: residual_out
     defaults to the residual's dtype; with a branch (dropout, a row scale)
-    it is written without a residual too (`branch.h_dtype`)."""
+    it is written without a residual too (`branch.h_dtype`), and with x1.
+    The parallel block's dtypes (x1, weight1, bias1; dx1) join where given."""
     if residual_out_dtype is not None and (backward or residual_dtype is None):
         raise ValueError("residual_out_dtype: only a forward call with a residual writes residual_out")
-    if branch.on and not backward and residual_dtype is None:
+    if branch.writes_h and not backward and residual_dtype is None:
         residual_out_dtype = branch.h_dtype
     flags = {}
     if branch.dropout_p:
@@ -180,6 +192,10 @@ def call_base(*, rms: bool, backward: bool, hidden_size: int, input_dtype: str, 
         flags["rowscale_dtype"] = rowscale_dtype
     if branch.return_mask:
         flags["dropout_mask"] = True
+    for name, value in (("x1_dtype", x1_dtype), ("weight1_dtype", weight1_dtype), ("bias1_dtype", bias1_dtype),
+                        ("dx1_dtype", dx1_dtype)):
+        if value is not None:
+            flags[name] = value
     return dict(hidden_size=hidden_size, input_dtype=input_dtype, output_dtype=output_dtype,
                 weight_dtype=weight_dtype or ABSENT_DTYPE, bias_dtype=bias_dtype or ABSENT_DTYPE,
                 residual_dtype=residual_dtype or ABSENT_DTYPE,
@@ -221,23 +237,28 @@ def _scaling(y_dtype: str, x_dtype: str, n: int, O, S, scaling, return_amax) -> 
 
 def forward_args(rms, x, weight, bias, eps, residual, residual_dtype, zero_centered_weight, out_dtype, out,
                  scale=None, scaling=None, return_amax=False, dropout_p=0.0, seed=None, rowscale=None,
-                 return_dropout_mask=False):
+                 return_dropout_mask=False, x1=None, weight1=None, bias1=None):
     """Validates a forward call. Returns (args, on_gpu, base, eps, branch)."""
     args, on_gpu = arrays.take_all({"x": x}, {"weight": weight, "bias": bias, "residual": residual, "out": out,
-                                              "scale": scale, "rowscale": rowscale})
+                                              "scale": scale, "rowscale": rowscale, "x1": x1, "weight1": weight1,
+                                              "bias1": bias1})
     branch = check_branch(args, dropout_p, seed, return_dropout_mask)
     X, W, B, R, O = (args[k] for k in FORWARD.arrays[:5])
     x_dtype = arrays.check_dtype(X)
     n = hidden_size(X)
     w_dtype, b_dtype = _vector_arg(W, n, X.array.shape), _vector_arg(B, n, X.array.shape)
+    x1_dtype = _parallel_branch(args, X)
+    if x1_dtype is not None:
+        branch = dataclasses.replace(branch, x1=True)
+    w1_dtype, b1_dtype = _second_weight(args, n, per_head(W, B))
     if R is not None:
         arrays.check_dtype(R)
         arrays.check_shape(R, X.array.shape, "x's shape")
-    elif branch.on:  # residual_out = h is written without a residual too: residual_dtype is its dtype
+    elif branch.writes_h:  # residual_out = h is written without a residual too: residual_dtype is its dtype
         branch = dataclasses.replace(branch, h_dtype=_dtype_arg("residual_dtype", residual_dtype, x_dtype))
         residual_dtype = None
     elif residual_dtype is not None:
-        raise ValueError("residual_dtype: given without a residual (or dropout_p / rowscale)")
+        raise ValueError("residual_dtype: given without a residual (or dropout_p / rowscale / x1)")
     res_dtype = R.dtype_name if R is not None else None  # the residual as read
     res_out_dtype = _dtype_arg("residual_dtype", residual_dtype, res_dtype)  # residual_out as written
     if O is not None:
@@ -249,14 +270,44 @@ def forward_args(rms, x, weight, bias, eps, residual, residual_dtype, zero_cente
                      residual_dtype=res_dtype, residual_out_dtype=res_out_dtype,
                      zero_centered=_zero_centered(zero_centered_weight, W), per_head=per_head(W, B), quant=quant,
                      amax=amax, branch=branch,
-                     rowscale_dtype=args["rowscale"].dtype_name if args["rowscale"] is not None else None)
+                     rowscale_dtype=args["rowscale"].dtype_name if args["rowscale"] is not None else None,
+                     x1_dtype=x1_dtype, weight1_dtype=w1_dtype, bias1_dtype=b1_dtype)
     if branch.on and quant != "none":
         raise ValueError("dropout_p / rowscale: not with an fp8 out_dtype (yet)")
+    if w1_dtype is not None and quant != "none":
+        raise ValueError("weight1: a second output is not made with an fp8 out_dtype")
     return args, on_gpu, base, check_eps(eps), branch
 
 
+def _parallel_branch(args: dict, X) -> str | None:
+    """x1's dtype (checked: x's shape, not beside a row scale), or None without one."""
+    X1 = args.get("x1")
+    if X1 is None:
+        return None
+    d = arrays.check_dtype(X1)
+    arrays.check_shape(X1, X.array.shape, "x's shape")
+    if args.get("rowscale") is not None:
+        raise ValueError("rowscale: not with x1 (a row scale of the parallel branch is not defined)")
+    return d
+
+
+def _second_weight(args: dict, n: int, heads: bool) -> tuple:
+    """(weight1's dtype, bias1's dtype) of the parallel block's second output (None: absent): vectors of N."""
+    W1, B1 = args.get("weight1"), args.get("bias1")
+    if W1 is None:
+        if B1 is not None:
+            raise ValueError("bias1: needs weight1 (the second output is xhat * weight1 + bias1)")
+        return None, None
+    if heads:
+        raise ValueError("weight1: a second output is not made beside per-head weights")
+    if args.get("weight") is None:
+        raise ValueError("weight1: a second output needs the first weight too")
+    return _vector_arg(W1, n), None if B1 is None else _vector_arg(B1, n)
+
+
 def backward_args(rms, dy, x, mean, rstd, weight, has_bias, bias_dtype, dresidual, zero_centered_weight, out,
-                  y=None, bias=None, dropout_p=0.0, seed=None, rowscale=None, dx0_dtype=None):
+                  y=None, bias=None, dropout_p=0.0, seed=None, rowscale=None, dx0_dtype=None, dy1=None,
+                  weight1=None, has_bias1=False, bias1_dtype=None, has_x1=False, dx1_dtype=None):
     """Validates a backward call. Returns (args, on_gpu, base, branch, dx0 dtype name or None); args["mean"]
     is None for RMSNorm. With `y` (the memory-efficient backward, from the forward's output) args["x"] is y
     (named so in errors), mean is not taken and args["bias"] is the forward's bias, whose presence decides
@@ -270,7 +321,7 @@ def backward_args(rms, dy, x, mean, rstd, weight, has_bias, bias_dtype, dresidua
             raise TypeError("mean: not taken with y= (the memory-efficient backward needs rstd only)")
         args, on_gpu = arrays.take_all({"dy": dy, "y": y, "rstd": rstd},
                                        {"weight": weight, "dresidual": dresidual, "out": out, "bias": bias,
-                                        "rowscale": rowscale})
+                                        "rowscale": rowscale, "dy1": dy1, "weight1": weight1})
         args["x"], args["mean"] = args.pop("y"), None
         has_bias = bias is not None
     else:
@@ -278,7 +329,7 @@ def backward_args(rms, dy, x, mean, rstd, weight, has_bias, bias_dtype, dresidua
             raise TypeError("bias: only with y= (the memory-efficient backward reads the forward's bias)")
         required = {"dy": dy, "x": x} | ({} if rms else {"mean": mean}) | {"rstd": rstd}
         args, on_gpu = arrays.take_all(required, {"weight": weight, "dresidual": dresidual, "out": out,
-                                                  "rowscale": rowscale})
+                                                  "rowscale": rowscale, "dy1": dy1, "weight1": weight1})
         args.setdefault("mean", None)
         args["bias"] = None
     branch = check_branch(args, dropout_p, seed, False)
@@ -312,13 +363,45 @@ def backward_args(rms, dy, x, mean, rstd, weight, has_bias, bias_dtype, dresidua
         if bias_dtype is not None and b_dtype != given:
             raise TypeError(f"bias_dtype: {b_dtype} differs from the bias's dtype {given} (dbias takes the bias's)")
         b_dtype = given
+    w1_dtype, b1_dtype = _second_output_grad(args, dy_dtype, n, per_head(W, B), has_bias1, bias1_dtype)
+    if has_x1:
+        branch = dataclasses.replace(branch, x1=True)
+    elif dx1_dtype is not None:
+        raise ValueError("dx1_dtype: only with has_x1=True (x1's gradient)")
+    if dx1_dtype is not None and not branch.dropout_p:
+        raise ValueError("dx1_dtype: only with dropout_p > 0 (without dropout x1's gradient is dx itself)")
+    dx1 = _dtype_arg("dx1_dtype", dx1_dtype, x_dtype) if branch.x1 and branch.dropout_p else None
     base = call_base(rms=rms, backward=True, hidden_size=n, input_dtype=x_dtype, output_dtype=dy_dtype,
                      weight_dtype=w_dtype if W is not None else None, bias_dtype=b_dtype,
                      residual_dtype=DR.dtype_name if DR is not None else None,
                      zero_centered=_zero_centered(zero_centered_weight, W), per_head=per_head(W, B),
                      from_output=from_output, branch=branch,
-                     rowscale_dtype=args["rowscale"].dtype_name if args["rowscale"] is not None else None)
+                     rowscale_dtype=args["rowscale"].dtype_name if args["rowscale"] is not None else None,
+                     weight1_dtype=w1_dtype, bias1_dtype=b1_dtype, dx1_dtype=dx1)
     dx0 = _dtype_arg("dx0_dtype", dx0_dtype, x_dtype) if branch.on else None
     if branch.on:
         base["dx0_dtype"] = dx0
     return args, on_gpu, base, branch, dx0
+
+
+def _second_output_grad(args: dict, dy_dtype: str, n: int, heads: bool, has_bias1, bias1_dtype) -> tuple:
+    """(weight1's dtype, dbias1's dtype or None) of a backward through the second output y1: dy1 (dy's shape
+    and dtype) and weight1 come together; (None, None) without them."""
+    DY1, W1 = args.get("dy1"), args.get("weight1")
+    if (DY1 is None) != (W1 is None):
+        missing = "weight1" if W1 is None else "dy1"
+        raise ValueError(f"{missing}: dy1 (the second output's gradient) and weight1 come together")
+    if W1 is None:
+        if has_bias1 or bias1_dtype is not None:
+            raise ValueError("has_bias1: only with weight1 and dy1 (a second output)")
+        return None, None
+    if heads:
+        raise ValueError("weight1: a second output is not made beside per-head weights")
+    if args.get("weight") is None:
+        raise ValueError("weight1: a second output needs the first weight too")
+    got = arrays.check_dtype(DY1)
+    arrays.check_shape(DY1, args["dy"].array.shape, "dy's shape")
+    if got != dy_dtype:
+        raise TypeError(f"dy1: dtype {got} must be dy's ({dy_dtype}): y and y1 share the output dtype")
+    w1 = _vector_arg(W1, n)
+    return w1, _dtype_arg("bias1_dtype", bias1_dtype, w1) if has_bias1 else None

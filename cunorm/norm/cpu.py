@@ -2,6 +2,8 @@
 on the CPU and return numpy arrays in the dtypes the GPU path would."""
 from __future__ import annotations
 
+import numpy as np
+
 from .. import dtypes, reference
 from . import calls
 
@@ -15,12 +17,20 @@ def forward(args: dict, base: dict, eps: float, rms: bool, return_stats: bool, b
     zc = base["zero_centered"]
     x0, keep = reference.branch_input(X.array, dropout_p=branch.dropout_p, seed=branch.seed,
                                       rowscale=_arr(args.get("rowscale")))
+    masks = [keep]
+    if branch.x1:  # the parallel branch, its own mask
+        x1, keep1 = reference.branch_input(args["x1"].array, dropout_p=branch.dropout_p, seed=branch.seed, stream=1)
+        x0 = x0 + x1
+        masks.append(keep1)
     h = reference.add_residual(x0, _arr(R))
+    W1, B1 = _arr(args.get("weight1")), _arr(args.get("bias1"))
     if rms:
         y, rstd = reference.rms_norm(h, _arr(W), eps, bias=_arr(B), zero_centered_weight=zc)
+        seconds = [reference.rms_norm(h, W1, eps, bias=B1, zero_centered_weight=zc)[0]] if W1 is not None else []
         stats = [rstd]
     else:
         y, mean, rstd = reference.layer_norm(h, _arr(W), _arr(B), eps, zero_centered_weight=zc)
+        seconds = [reference.layer_norm(h, W1, B1, eps, zero_centered_weight=zc)[0]] if W1 is not None else []
         stats = [mean, rstd]
     quant = base.get("quant", "none")
     extras = []
@@ -33,14 +43,14 @@ def forward(args: dict, base: dict, eps: float, rms: bool, return_stats: bool, b
     if O is not None:
         O.array[...] = y
         y = O.array
-    values = [y]
+    values = [y] + [y1.astype(y.dtype) for y1 in seconds]
     if R is not None:
         values.append(h.astype(dtypes.numpy_dtype(base["residual_out_dtype"])))
-    elif branch.on:  # h, for the backward: residual_dtype's (default x's) without a residual
+    elif branch.writes_h:  # h, for the backward: residual_dtype's (default x's) without a residual
         values.append(h.astype(dtypes.numpy_dtype(branch.h_dtype)))
     values += extras
     if branch.return_mask:
-        values.append(keep)
+        values += masks
     if return_stats:
         values += [s.astype(dtypes.compute_dtype(base["input_dtype"])) for s in stats]
     return values[0] if len(values) == 1 else tuple(values)
@@ -61,16 +71,45 @@ def backward(args: dict, base: dict, rms: bool, branch=calls.NO_BRANCH, dx0_dtyp
     else:
         dx, dw, db = reference.layer_norm_backward(DY.array, X.array, args["mean"].array, args["rstd"].array,
                                                    _arr(W), dresidual=_arr(DR), zero_centered_weight=zc)
+    seconds = []
+    if args.get("weight1") is not None:  # the second output: its gradient joins g (dresidual counted once)
+        xhat = _xhat(args, base, rms)
+        dx, dw, db, dw1, db1 = reference.parallel_backward(DY.array, args["dy1"].array, xhat, args["rstd"].array,
+                                                           _arr(W), args["weight1"].array, rms=rms,
+                                                           dresidual=_arr(DR), zero_centered_weight=zc)
+        has_b1 = base.get("bias1_dtype") is not None
+        seconds = [dw1.astype(dtypes.numpy_dtype(base["weight1_dtype"]))]
+        if has_b1 or not rms:
+            seconds.append(db1.astype(dtypes.numpy_dtype(base["bias1_dtype"])) if has_b1 else None)
     grads = []
     if branch.on:  # the branch input's gradient, from h's (dx: the residual's)
         keep = reference.dropout_keep(dx.shape, branch.dropout_p, branch.seed) if branch.dropout_p else None
         dx0 = reference.branch_grad(dx, keep, branch.dropout_p, _arr(args.get("rowscale")))
         grads.append(dx0.astype(dtypes.numpy_dtype(dx0_dtype)))
+    dx1 = None
+    if branch.x1 and branch.dropout_p:  # x1's gradient, its own mask
+        keep1 = reference.dropout_keep(dx.shape, branch.dropout_p, branch.seed, stream=1)
+        dx1 = reference.branch_grad(dx, keep1, branch.dropout_p).astype(dtypes.numpy_dtype(base["dx1_dtype"]))
     dx = dx.astype(X.array.dtype)
     if O is not None:
         O.array[...] = dx
         dx = O.array
+    if branch.x1:  # without dropout x1's gradient is dx itself
+        grads.append(dx if dx1 is None else dx1)
     dw = None if dw is None else dw.astype(w_np)
     if rms and not base["has_bias"]:
-        return (dx, *grads, dw)
-    return (dx, *grads, dw, db.astype(b_np) if base["has_bias"] else None)
+        return (dx, *grads, dw, *seconds)
+    return (dx, *grads, dw, db.astype(b_np) if base["has_bias"] else None, *seconds)
+
+
+def _xhat(args: dict, base: dict, rms: bool):
+    """xhat in float64 as the backward recovers it: from x and the statistics, or from y (from_output:
+    (y - bias) / w, 0 where w is 0)."""
+    X, rstd = reference._f64(args["x"].array), reference._f64(args["rstd"].array)[..., None]
+    if base.get("from_output"):
+        w = reference._effective_weight(_arr(args["weight"]), base["zero_centered"])
+        shifted = X - reference._f64(args["bias"].array) if args.get("bias") is not None else X
+        with np.errstate(all="ignore"):
+            return np.where(w == 0, 0.0, shifted / w)
+    mean = 0.0 if rms else reference._f64(args["mean"].array)[..., None]
+    return (X - mean) * rstd

@@ -168,8 +168,11 @@ def _row_views(d: Direction, args: dict, outputs: dict, n: int, x_itemsize: int)
 
 def forward_prepare(args: dict, base: dict) -> Prepared:
     outputs = {"y" if args["out"] is None else "out": args["out"]}
-    if args["residual"] is not None or base.get("dropout") or base.get("rowscale_dtype"):
-        outputs["residual_out"] = None  # h: with a residual, or after a branch
+    if base.get("weight1_dtype"):
+        outputs["y1"] = None
+    if (args["residual"] is not None or base.get("dropout") or base.get("rowscale_dtype")
+            or base.get("x1_dtype")):
+        outputs["residual_out"] = None  # h: with a residual, or after a branch or x1
     p = prepare(FORWARD, args, outputs, base)
     if base.get("quant") == "group" and not (p.base["aligned_vector"] == p.base["max_vector"]
                                              and p.base["aligned_vector"] >= 4):
@@ -182,6 +185,8 @@ def backward_prepare(args: dict, base: dict) -> Prepared:
     outputs = {"dx" if args["out"] is None else "out": args["out"]}
     if base.get("dx0_dtype"):  # after a branch: the branch input's gradient too
         outputs["dx0"] = None
+    if base.get("dx1_dtype"):  # x1's gradient under dropout
+        outputs["dx1"] = None
     return prepare(BACKWARD, args, outputs, base)
 
 
@@ -250,8 +255,10 @@ def _picker(picks: list):
     return result
 
 
-def forward_plan(args: dict, base: dict, traits, rms: bool, return_stats: bool, source: str | None = None) -> tuple:
-    """(CallPlan, Prepared) of a validated forward call on the GPU."""
+def forward_plan(args: dict, base: dict, traits, rms: bool, return_stats: bool, source: str | None = None,
+                 extended: bool = False) -> tuple:
+    """(CallPlan, Prepared) of a validated forward call on the GPU. `extended`: the call names the branch
+    and parallel arrays (BRANCH_ARRAYS) after its direction's (as its cache key's values do)."""
     X, W, B, R, O = (args[k] for k in FORWARD.arrays[:5])
     x = X.array
     device = x.device_id
@@ -265,7 +272,10 @@ def forward_plan(args: dict, base: dict, traits, rms: bool, return_stats: bool, 
         outputs.append(Output("y", shape, dtypes.numpy_dtype(base["output_dtype"]), y_row.offset))
     else:
         picks.append(("arg", FORWARD.arrays.index("out")))
-    if R is not None or t.branch:  # h
+    if t.parallel:  # y1, the second output
+        picks.append(("made", len(outputs)))
+        outputs.append(Output("y1", shape, dtypes.numpy_dtype(base["output_dtype"]), p.rows["y1"].offset))
+    if R is not None or t.branch or t.x1_dtype is not None:  # h
         picks.append(("made", len(outputs)))
         outputs.append(Output("residual_out", shape, dtypes.numpy_dtype(base["residual_out_dtype"]),
                               p.rows["residual_out"].offset))
@@ -277,17 +287,19 @@ def forward_plan(args: dict, base: dict, traits, rms: bool, return_stats: bool, 
         picks.append(("made", len(outputs)))
         outputs.append(Output("amax", (), F32))
         zeros.append("amax")
-    if t.dropout_mask:  # the keep mask, a byte an element, row-major over x's shape
-        picks.append(("made", len(outputs)))
-        outputs.append(Output("keep", shape, np.dtype(np.bool_)))
+    if t.dropout_mask:  # the keep mask (and x1's), a byte an element, row-major over x's shape
+        for name in ("keep", "keep1") if t.x1_dtype is not None else ("keep",):
+            picks.append(("made", len(outputs)))
+            outputs.append(Output(name, shape, np.dtype(np.bool_)))
     if return_stats:
         stats_dtype = np.dtype(t.compute_dtype)
         for name in ("rstd",) if rms else ("mean", "rstd"):
             picks.append(("made", len(outputs)))
             outputs.append(Output(name, lead, stats_dtype))
     (copy_w, w_stride, w_heads), (copy_b, b_stride, b_heads) = _weight_layout(W, t), _weight_layout(B, t)
+    (copy_w1, w1_stride, _), (copy_b1, b1_stride, _) = (_weight_layout(args.get(k), t) for k in ("weight1", "bias1"))
     copies = [name for name in FORWARD.row_inputs if p.rows[name] is not None and p.rows[name].copied]
-    copies += ["weight"] * copy_w + ["bias"] * copy_b
+    copies += ["weight"] * copy_w + ["bias"] * copy_b + ["weight1"] * copy_w1 + ["bias1"] * copy_b1
     launches = []
     if p.row_count:
         k = kernels["norm_fwd"]
@@ -298,8 +310,11 @@ def forward_plan(args: dict, base: dict, traits, rms: bool, return_stats: bool, 
             ("i64", b_stride), eps_slot(t)] + ([("i64", p.heads), ("i64", w_heads), ("i64", b_heads)]
                                                if t.per_head else [])
             + ([("ptr", "scale"), ("ptr", "scales"), ("ptr", "amax")] if t.quant != "none" else [])
-            + (_branch_slots(t) + [("ptr", "keep")] if t.branch else [])))
-    names = FORWARD.arrays + (BRANCH_ARRAYS if t.branch else ())
+            + (_branch_slots(t) + [("ptr", "keep")] if t.branch else [])
+            + ([("ptr", "x1"), _ld(p.rows["x1"], t), ("ptr", "keep1")] if t.x1_dtype is not None else [])
+            + ([("ptr", "weight1"), ("ptr", "bias1"), ("ptr", "y1"), _ld(p.rows["y1"], t), ("i64", w1_stride),
+                ("i64", b1_stride)] if t.parallel else [])))
+    names = FORWARD.arrays + (BRANCH_ARRAYS["forward"] if extended else ())
     if t.branch and args["rowscale"] is not None and not args["rowscale"].array.c_contiguous:
         copies.append("rowscale")  # read by row number
     return CallPlan(x.kind, device, names, tuple(launches), outputs=outputs, copies=copies, zeros=zeros,
@@ -308,8 +323,10 @@ def forward_plan(args: dict, base: dict, traits, rms: bool, return_stats: bool, 
                     scalars=EPS_SCALARS + (BRANCH_SCALARS if t.branch else ()), result=_picker(picks)), p
 
 
-def backward_plan(args: dict, base: dict, traits, rms: bool, source: str | None = None) -> tuple:
-    """(CallPlan, Prepared) of a validated backward call on the GPU."""
+def backward_plan(args: dict, base: dict, traits, rms: bool, source: str | None = None, extended: bool = False,
+                  has_x1: bool = False) -> tuple:
+    """(CallPlan, Prepared) of a validated backward call on the GPU. `extended` as in `forward_plan`;
+    `has_x1`: x1's gradient follows dx0 (dx itself without dropout)."""
     X, W, O = args["x"], args["weight"], args["out"]
     x = X.array
     device, n = x.device_id, base["hidden_size"]
@@ -325,9 +342,20 @@ def backward_plan(args: dict, base: dict, traits, rms: bool, source: str | None 
     if t.branch:  # dx0, the branch input's gradient, after dx
         picks.append(("made", len(outputs)))
         outputs.append(Output("dx0", tuple(x.shape), dtypes.numpy_dtype(t.dx0_dtype), p.rows["dx0"].offset))
-    # RMSNorm returns (dx, dweight), and dbias only when it had a bias; LayerNorm always (dx, dweight, dbias).
-    for name, present, dtype in (("dweight", t.has_weight, base["weight_dtype"]),
-                                 ("dbias", t.has_bias, base["bias_dtype"]))[:1 if rms and not t.has_bias else 2]:
+    if t.dx1_dtype is not None:  # x1's gradient under dropout
+        picks.append(("made", len(outputs)))
+        outputs.append(Output("dx1", tuple(x.shape), dtypes.numpy_dtype(t.dx1_dtype), p.rows["dx1"].offset))
+    elif has_x1:  # without dropout x1's gradient is dx itself
+        picks.append(picks[0])
+    # RMSNorm returns (dx, dweight), and dbias only when it had a bias; LayerNorm always (dx, dweight, dbias);
+    # the second weight's likewise after them.
+    grads = [("dweight", t.has_weight, base["weight_dtype"]),
+             ("dbias", t.has_bias, base["bias_dtype"])][:1 if rms and not t.has_bias else 2]
+    if t.parallel:
+        has_b1 = t.bias1_dtype is not None
+        grads += [("dweight1", True, t.weight1_dtype), ("dbias1", has_b1, t.bias1_dtype)][:1 if rms and not has_b1
+                                                                                       else 2]
+    for name, present, dtype in grads:
         picks.append(("made", len(outputs)) if present else None)
         if present:  # per head: [heads, N]
             outputs.append(Output(name, (p.heads, n) if t.per_head else (n,), dtypes.numpy_dtype(dtype)))
@@ -342,7 +370,8 @@ def backward_plan(args: dict, base: dict, traits, rms: bool, source: str | None 
         a = None if args[s] is None else args[s].array
         if a is not None and (not a.c_contiguous or a.dtype != stats_dtype):
             copies.append(s if a.dtype == stats_dtype else (s, stats_dtype))
-    copies += ["weight"] * copy_w + ["bias"] * copy_b
+    copy_w1, w1_stride, _ = _weight_layout(args.get("weight1"), t)
+    copies += ["weight"] * copy_w + ["bias"] * copy_b + ["weight1"] * copy_w1
     launches, scratch, zeros = [], [], []
     sums = t.has_weight or t.has_bias
     if p.row_count:
@@ -353,9 +382,11 @@ def backward_plan(args: dict, base: dict, traits, rms: bool, source: str | None 
         rows_per_part = t.rows_per_cta if t.per_head else 1  # partial rows: per warp row, or per CTA
         groups = p.grid_groups(k, t, max(1, FUSE_PART_ELEMENTS // (n * rows_per_part)) if fused else None)
         parts = groups * rows_per_part
-        if sums:  # column sums, one [parts, N] compute_t block each for dgamma and dbeta
+        if sums:  # column sums, one [parts, N] compute_t block each for dgamma and dbeta (and the second's)
             part_bytes = dtypes.itemsize(t.compute_dtype) * parts * n
             scratch += [("dgamma_part", part_bytes), ("dbeta_part", part_bytes)]
+            if t.parallel:
+                scratch += [("dgamma1_part", part_bytes), ("dbeta1_part", part_bytes)]
         launches.append(Launch(k, groups * t.ctas_per_row, [
             ("ptr", "dy"), ("ptr", "x"), ("ptr", "dresidual"), ("ptr", "mean"), ("ptr", "rstd"), ("ptr", "weight"),
             ("ptr", "dx"), ("ptr", "dgamma_part"), ("ptr", "dbeta_part"), ("i64", p.row_count),
@@ -363,17 +394,23 @@ def backward_plan(args: dict, base: dict, traits, rms: bool, source: str | None 
             ("i64", w_stride)] + ([("i64", p.heads), ("i64", w_heads)] if t.per_head else [])
             + ([("ptr", "bias"), ("i64", b_stride), ("i64", b_heads)] if t.from_output else [])
             + ([("ptr", "control"), ("i32", parts), ("ptr", "dweight"), ("ptr", "dbias")] if fused else [])
-            + (_branch_slots(t) + [("ptr", "dx0"), _ld(p.rows["dx0"], t)] if t.branch else [])))
+            + (_branch_slots(t) + [("ptr", "dx0"), _ld(p.rows["dx0"], t)] if t.branch else [])
+            + ([("ptr", "dy1"), _ld(p.rows["dy1"], t), ("ptr", "weight1"), ("i64", w1_stride), ("ptr", "dgamma1_part"),
+                ("ptr", "dbeta1_part")] + ([("ptr", "dweight1"), ("ptr", "dbias1")] if fused else [])
+               if t.parallel else [])
+            + ([("ptr", "dx1"), _ld(p.rows["dx1"], t)] if t.dx1_dtype is not None else [])))
         if sums and fused is None:
             fin = kernels["norm_bwd_finalize"]
             launches.append(Launch(fin, -(-n // t.finalize_cols_per_cta) * p.heads, [
                 ("ptr", "dgamma_part"), ("ptr", "dbeta_part"), ("i32", parts), ("ptr", "dweight"),
-                ("ptr", "dbias")] + ([("i32", p.heads)] if t.per_head else [])))
+                ("ptr", "dbias")] + ([("i32", p.heads)] if t.per_head else [])
+                + ([("ptr", "dgamma1_part"), ("ptr", "dbeta1_part"), ("ptr", "dweight1"), ("ptr", "dbias1")]
+                   if t.parallel else [])))
     else:  # no rows: empty dx, and the column sums of nothing are zero
-        zeros = [o.name for o in outputs if o.name in ("dweight", "dbias")]
+        zeros = [o.name for o in outputs if o.name in ("dweight", "dbias", "dweight1", "dbias1")]
     if t.branch and args["rowscale"] is not None and not args["rowscale"].array.c_contiguous:
         copies.append("rowscale")  # read by row number
-    names = BACKWARD.arrays + (BRANCH_ARRAYS if t.branch else ())
+    names = BACKWARD.arrays + (BRANCH_ARRAYS["backward"] if extended else ())
     return CallPlan(x.kind, device, names, tuple(launches), anchor="x", outputs=outputs, scratch=scratch,
                     copies=copies, zeros=zeros, given_out=None if O is None else ("out", "dx"),
                     spans=_spans(names, args),

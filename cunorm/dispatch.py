@@ -188,7 +188,8 @@ def heuristic(*, hidden_size: int, input_dtype: str, elts_per_ldg: int | None = 
                          f"cluster on sm_90, one CTA before it)")
     # Wide CTAs get few registers per thread: there, weights are re-read instead
     # of held, and the backward keeps its column sums in shared memory.
-    smem_sums = backward and best.threads_per_cta > 256
+    # (A second weight doubles the column sums: they go to shared memory too.)
+    smem_sums = backward and (best.threads_per_cta > 256 or rest.get("weight1_dtype") is not None)
     if best.threads_per_cta > 256:
         try:
             best = best.replace(cache_weights=False)

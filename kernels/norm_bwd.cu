@@ -258,7 +258,7 @@ norm_bwd(const output_t* dy, const input_t* x, const residual_t* dresidual,
   compute_t* const dgamma1_part = nullptr;
   compute_t* const dbeta1_part = nullptr;
 #endif
-#if !(CN_PARALLEL && CN_LAST_CTA_FINALIZE)
+#if CN_LAST_CTA_FINALIZE && !CN_PARALLEL
   weight1_t* const dgamma1 = nullptr;
   bias1_t* const dbeta1 = nullptr;
 #endif
@@ -497,7 +497,7 @@ norm_bwd_finalize(const compute_t* __restrict__ dgamma_part, const compute_t* __
   bias1_t* const dbeta1 = nullptr;
 #endif
   constexpr int CTAS_PER_HEAD = (COLS / FIN_VEC + 31) / 32;
-  __shared__ FinVec warp_sums[COLUMN_SUMS][FINALIZE_WARPS][32];
+  __shared__ FinVec warp_sums[2][FINALIZE_WARPS][32];  // a pair of quantities at a time
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int head = PER_HEAD ? blockIdx.x / CTAS_PER_HEAD : 0;
   const int vec = (PER_HEAD ? blockIdx.x % CTAS_PER_HEAD : blockIdx.x) * 32 + lane;  // in units of FIN_VEC columns
@@ -525,33 +525,43 @@ norm_bwd_finalize(const compute_t* __restrict__ dgamma_part, const compute_t* __
   }
   warp_sums[0][warp][lane] = sg;
   warp_sums[1][warp][lane] = sb;
-  if constexpr (PARALLEL) {
-    warp_sums[2 % COLUMN_SUMS][warp][lane] = sg1;
-    warp_sums[3 % COLUMN_SUMS][warp][lane] = sb1;
-  }
   __syncthreads();
   if (warp == 0 && ok) {
     sg.zero();
     sb.zero();
-    sg1.zero();
-    sb1.zero();
 #pragma unroll
     for (int w = 0; w < FINALIZE_WARPS; ++w)
 #pragma unroll
       for (int e = 0; e < FIN_VEC; ++e) {
         sg.add(e, warp_sums[0][w][lane].get(e));
         sb.add(e, warp_sums[1][w][lane].get(e));
-        if constexpr (PARALLEL) {
-          sg1.add(e, warp_sums[2 % COLUMN_SUMS][w][lane].get(e));
-          sb1.add(e, warp_sums[3 % COLUMN_SUMS][w][lane].get(e));
-        }
       }
 #pragma unroll
     for (int e = 0; e < FIN_VEC; ++e) {
       if (HAS_WEIGHT) dgamma[head * COLS + vec * FIN_VEC + e] = from_float<weight_t>(sg.get(e));
       if (HAS_BIAS) dbeta[head * COLS + vec * FIN_VEC + e] = from_float<bias_t>(sb.get(e));
-      if (PARALLEL) dgamma1[head * COLS + vec * FIN_VEC + e] = from_float<weight1_t>(sg1.get(e));
-      if (HAS_BIAS1) dbeta1[head * COLS + vec * FIN_VEC + e] = from_float<bias1_t>(sb1.get(e));
+    }
+  }
+  if constexpr (PARALLEL) {  // the second pair in the same slots, once warp 0 has read the first
+    __syncthreads();
+    warp_sums[0][warp][lane] = sg1;
+    warp_sums[1][warp][lane] = sb1;
+    __syncthreads();
+    if (warp == 0 && ok) {
+      sg1.zero();
+      sb1.zero();
+#pragma unroll
+      for (int w = 0; w < FINALIZE_WARPS; ++w)
+#pragma unroll
+        for (int e = 0; e < FIN_VEC; ++e) {
+          sg1.add(e, warp_sums[0][w][lane].get(e));
+          sb1.add(e, warp_sums[1][w][lane].get(e));
+        }
+#pragma unroll
+      for (int e = 0; e < FIN_VEC; ++e) {
+        dgamma1[head * COLS + vec * FIN_VEC + e] = from_float<weight1_t>(sg1.get(e));
+        if (HAS_BIAS1) dbeta1[head * COLS + vec * FIN_VEC + e] = from_float<bias1_t>(sb1.get(e));
+      }
     }
   }
 }

@@ -13,6 +13,7 @@ its layout allows (`cunorm.layout.vector_widths`), and `Traits` checks the resul
 """
 from __future__ import annotations
 
+import itertools
 import math
 
 from . import dtypes
@@ -29,6 +30,7 @@ TUNED_SIZES = (768, 1024, 1536, 2048, 2304, 3072, 3840, 4096, 5120, 6144, 8192, 
 # in flight per thread, few enough registers for several CTAs per SM.
 TARGET_LDGS = {False: 4, True: 4}
 MIN_THREADS_PER_CTA = 128
+NARROW_LOAD_COST = 1.75  # measured: q/k-norm rows of 128 bf16, 0.53 -> 0.62-0.64 of copy on an H100 with 8-byte loads
 DEFAULT_STAGES = 3
 STAGED_SMEM_BUDGET = 100 * 1024
 # Above 512 threads a CTA gets fewer than 128 registers per thread; wider rows
@@ -155,11 +157,13 @@ def heuristic(*, hidden_size: int, input_dtype: str, elts_per_ldg: int | None = 
         elts_per_ldg = dtypes.vector_elements(itemsize)
         while hidden_size % elts_per_ldg:
             elts_per_ldg //= 2
-    bytes_per_ldg = elts_per_ldg * itemsize
     two_rows = backward or rest.get("has_residual", False) or rest.get("x1_dtype") is not None
     ctas_options = (1, 2, 4, 8) if arch >= CLUSTER_MIN_ARCH else (1,)
     best, best_cost = None, math.inf
-    for ctas in ctas_options:
+    # The widest vector, and half of it (at NARROW_LOAD_COST): a short row (N = 128 in bf16: a q/k head) fills
+    # a whole warp with 8-byte loads where 16-byte ones leave half of it idle.
+    for narrow, ctas in itertools.product((0, 1), ctas_options):
+        bytes_per_ldg = (elts_per_ldg * itemsize) >> narrow
         # Without clusters, a row must fit one CTA (of at most 16 warps: wider CTAs get 64 registers a thread).
         max_warps_n = MAX_HEURISTIC_WARPS_N[backward] if arch >= CLUSTER_MIN_ARCH else 16
         for warps_n in range(1, 33):
@@ -175,7 +179,7 @@ def heuristic(*, hidden_size: int, input_dtype: str, elts_per_ldg: int | None = 
             # Fewer loads than the target cost latency hiding; more cost registers (and spill).
             ratio = math.log2(t.ldgs / TARGET_LDGS[backward])
             cost = (4.0 * idle + (-ratio if ratio < 0 else 3.0 * ratio) + 0.25 * (ctas - 1)
-                    + 0.5 * (warps_n & (warps_n - 1) != 0))
+                    + 0.5 * (warps_n & (warps_n - 1) != 0) + NARROW_LOAD_COST * narrow)
             # Last resorts, for rows nothing else holds: wider CTAs than the register file favours, more
             # elements per thread than fit without spilling.
             preferred = PREFERRED_ELTS_PER_THREAD[two_rows] // t.register_words

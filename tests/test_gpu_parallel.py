@@ -56,10 +56,11 @@ def test_parallel_block_against_the_numpy_path(op, n, x_dt, x1_dt, res_dt, w_dt,
     with check.poisoned_allocations():
         got = fn(**{k: cupy.asarray(v) for k, v in host.items()}, **kw)
     _close(got, want, x_dt)
-    got, want = list(got), list(want)
-    y, wy = got[0], want[0]
-    h, wh = (got[1 + bool(w1_dt)], want[1 + bool(w1_dt)]) if (x1_dt or res_dt or p) else (None, None)
-    stats, wstats = (got[-1:], want[-1:]) if rms else (got[-2:], want[-2:])
+    # The backward takes the numpy path's forward outputs on both sides: the same inputs, bit for bit.
+    want = list(want)
+    wy = want[0]
+    wh = want[1 + bool(w1_dt)] if (x1_dt or res_dt or p) else host["x"]
+    wstats = want[-1:] if rms else want[-2:]
     dy, dy1, dres = (rng.standard_normal((rows, n)).astype(dt(x_dt)) for _ in range(3))
     bkw = dict(dropout_p=p, seed=seed if p else None, has_x1=bool(x1_dt), dresidual=dres)
     if p:
@@ -70,6 +71,8 @@ def test_parallel_block_against_the_numpy_path(op, n, x_dt, x1_dt, res_dt, w_dt,
         bkw.update(dy1=dy1, weight1=host["weight1"], has_bias1=bool(b1_dt))
     if rms:
         bkw["has_bias"] = True
+    if from_output:
+        bkw["bias"] = host["bias"]
     bwd = getattr(cunorm, op + "_backward")
 
     def call(dy_, x_, st, w, **extra):
@@ -77,14 +80,12 @@ def test_parallel_block_against_the_numpy_path(op, n, x_dt, x1_dt, res_dt, w_dt,
             return bwd(dy_, y=x_, rstd=st[-1], weight=w, **extra)
         return bwd(dy_, x_, *st, w, **extra)
 
-    x_in, wx_in = (y, wy) if from_output else ((h, wh) if h is not None else (None, host["x"]))
-    if from_output:
-        bkw["bias"] = host["bias"]
-    want = call(dy, wx_in, wstats, host["weight"], **bkw)
-    gkw = {k: cupy.asarray(v) if isinstance(v, np.ndarray) else v for k, v in bkw.items()}
+    x_in = wy if from_output else wh
+    want = call(dy, x_in, wstats, host["weight"], **bkw)
+    gpu = {k: cupy.asarray(v) if isinstance(v, np.ndarray) else v for k, v in bkw.items()}
     with check.poisoned_allocations():
-        got = call(cupy.asarray(dy), x_in if x_in is not None else cupy.asarray(host["x"]), stats,
-                   cupy.asarray(host["weight"]), **gkw)
+        got = call(cupy.asarray(dy), cupy.asarray(x_in), [cupy.asarray(s) for s in wstats],
+                   cupy.asarray(host["weight"]), **gpu)
     _close(got, want, x_dt)
     if x1_dt and not p:
         assert got[1] is got[0]  # x1's gradient is dx itself

@@ -162,7 +162,9 @@ def case_call(case: Case) -> dict:
     n, m = case.hidden_size, case.rows
     res = case.residual_dtype
     branch = norm.calls.Branch(case.dropout_p, 0, case.rowscale_dtype is not None,
-                               case.dropout_p > 0 and not case.backward, None if res else case.dtype)
+                               case.dropout_p > 0 and not case.backward, None if res else case.dtype,
+                               x1=case.x1_dtype is not None)
+    dx1 = case.dtype if case.backward and branch.x1 and case.dropout_p else None
     base = norm.call_base(rms=case.rms, backward=case.backward, hidden_size=n, input_dtype=case.dtype,
                           output_dtype=case.out_dtype or case.dtype,
                           weight_dtype=case.weight_dtype if case.has_weight else None,
@@ -171,7 +173,9 @@ def case_call(case: Case) -> dict:
                           zero_centered=case.zero_centered,
                           per_head=case.per_head and (case.has_weight or (case.has_bias and not case.backward)),
                           from_output=case.from_output, quant=case.scaling or "none", amax=case.return_amax,
-                          branch=branch, rowscale_dtype=case.rowscale_dtype)
+                          branch=branch, rowscale_dtype=case.rowscale_dtype,
+                          x1_dtype=None if case.backward else case.x1_dtype, weight1_dtype=case.weight1_dtype,
+                          bias1_dtype=case.bias1_dtype, dx1_dtype=dx1)
     if branch.on and case.backward:
         base["dx0_dtype"] = case.dtype
     inputs = ["x"] + (["dy"] if case.backward else []) + (["residual"] if res is not None else [])
@@ -193,10 +197,15 @@ def case_call(case: Case) -> dict:
     if not case.in_place:
         given = case.layout_of("out")
         rows.append(layout.fresh_rows("out", m, n, mirrored) if given is None else _layout_rows("out", given, m, n))
-    if (res is not None or branch.on) and not case.backward:
+    # x1 and dy1 (the parallel block) are contiguous in every case: laid out as a contiguous x.
+    if (res is not None or branch.writes_h) and not case.backward:
         rows.append(layout.fresh_rows("residual_out", m, n, mirrored))
+    if case.weight1_dtype is not None and not case.backward:
+        rows.append(layout.fresh_rows("y1", m, n, mirrored))
     if branch.on and case.backward:
         rows.append(layout.fresh_rows("dx0", m, n, mirrored))
+    if dx1 is not None:
+        rows.append(layout.fresh_rows("dx1", m, n, mirrored))
     max_vector, aligned_vector = layout.vector_widths(rows, n, dtypes.itemsize(case.dtype))
     return dict(base, max_vector=max_vector, aligned_vector=aligned_vector)
 
@@ -392,13 +401,19 @@ def _run_forward(case: Case, rng, source=None) -> list:
     x, w, b, r = _inputs(case, rng)
     eps = 1e-5
     branch = _branch_inputs(case, x, rng)
-    h = reference.add_residual(x if branch is None else branch["x0"], r)
+    par = _parallel_inputs(case, rng, branch)
+    x0 = x if branch is None else branch["x0"]
+    h = reference.add_residual(x0 if par is None or par["x1_0"] is None else x0 + par["x1_0"], r)
     zc = case.zero_centered
     if case.rms:
         y_ref, rstd_ref = reference.rms_norm(h, w, eps, bias=b, zero_centered_weight=zc)
+        y1_ref = None if par is None or par["w1"] is None else reference.rms_norm(
+            h, par["w1"], eps, bias=par["b1"], zero_centered_weight=zc)[0]
         stats_ref = [("rstd", rstd_ref)]
     else:
         y_ref, mean_ref, rstd_ref = reference.layer_norm(h, w, b, eps, zero_centered_weight=zc)
+        y1_ref = None if par is None or par["w1"] is None else reference.layer_norm(
+            h, par["w1"], par["b1"], eps, zero_centered_weight=zc)[0]
         stats_ref = [("mean", mean_ref), ("rstd", rstd_ref)]
     fp8 = case.scaling is not None
     kwargs = dict(residual=r, zero_centered_weight=zc, return_stats=True, out_dtype=case.out_dtype,
@@ -408,6 +423,8 @@ def _run_forward(case: Case, rng, source=None) -> list:
         kwargs["residual_dtype"] = case.residual_out_dtype
     if branch is not None:
         kwargs.update(branch["kwargs"], return_dropout_mask=case.dropout_p > 0)
+    if par is not None:
+        kwargs.update(x1=par["x1"], weight1=par["w1"], bias1=par["b1"])
     if fp8:
         kwargs.update(scaling=case.scaling, return_amax=case.return_amax)
         if case.scaling == "tensor":  # saturates some values: up to 1.5x the range's worth of |y| past it
@@ -425,16 +442,22 @@ def _run_forward(case: Case, rng, source=None) -> list:
     results += _untouched_outside(case, kwargs["out"])
     if kwargs["out"] is not None and y is not kwargs["out"]:
         results.append(Result(case, "y is out", float("inf"), 0.0))
-    if r is not None or branch is not None:
+    if y1_ref is not None:
+        results.append(Result(case, "y1", rel_l2(got.pop(0), y1_ref), tolerance(case.out_dtype or case.dtype,
+                                                                                 case.dtype)))
+    if r is not None or branch is not None or case.x1_dtype is not None:
         ro_dtype = case.residual_out_dtype or case.residual_dtype or case.dtype
         ro = got.pop(0)
         results.append(Result(case, "residual_out", rel_l2(ro, h), tolerance(ro_dtype, case.dtype)))
         if dtypes.name_of(ro.dtype) != ro_dtype:
             results.append(Result(case, f"residual_out dtype {ro.dtype}", float("inf"), 0.0))
-    if branch is not None and case.dropout_p > 0:  # the keep mask, bit for bit
-        keep = got.pop(0)
-        wrong = float((keep != branch["keep"]).mean()) if keep.shape == branch["keep"].shape else float("inf")
-        results.append(Result(case, "keep mask", wrong, 0.0))
+    if branch is not None and case.dropout_p > 0:  # the keep masks, bit for bit
+        for name, want in (("keep mask", branch["keep"]), ("x1 keep mask", par and par["keep1"])):
+            if want is None:
+                continue
+            keep = got.pop(0)
+            wrong = float((keep != want).mean()) if keep.shape == want.shape else float("inf")
+            results.append(Result(case, name, wrong, 0.0))
     stats_dtype = dtypes.compute_dtype(case.dtype)
     for (name, ref), value in zip(stats_ref, got):
         results.append(Result(case, name, rel_l2(value, ref), TOLERANCE[stats_dtype]))
@@ -465,9 +488,40 @@ def _branch_inputs(case: Case, x, rng):
     return {"kwargs": dict(dropout_p=case.dropout_p, seed=seed, rowscale=rs), "x0": x0, "keep": keep, "rs": rs}
 
 
-def _with_dx0(names: tuple, branch) -> tuple:
-    """A backward's result names: dx0 follows dx after a branch (dropout, a row scale)."""
-    return names if branch is None else (names[0], "dx0", *names[1:])
+def _parallel_inputs(case: Case, rng, branch):
+    """None without the parallel block; else x1 (contiguous, its dtype) and its float64 branch (x1_0: x1 *
+    keep1 / (1 - p), keep1 drawn from the branch's seed, stream 1), weight1 and bias1 (or None)."""
+    import cupy
+
+    if case.x1_dtype is None and case.weight1_dtype is None:
+        return None
+    g = _gpu_rng(rng)
+    m, n = case.rows, case.hidden_size
+    x1 = x1_0 = keep1 = None
+    if case.x1_dtype is not None and not case.backward:
+        x1 = row_tensor(g, m, n, case.x1_dtype, "contiguous", standard_normal(g, (m, n), case.x1_dtype), _lead(case))
+        x1_0 = reference._f64(x1)
+    if case.x1_dtype is not None and case.dropout_p:
+        seed = branch["kwargs"]["seed"]
+        keep1 = cupy.asarray(reference.dropout_keep((*case.lead, n), case.dropout_p, seed, stream=1))
+        if x1_0 is not None:
+            x1_0 = cupy.where(keep1, x1_0 / (1.0 - case.dropout_p), 0.0)
+    w1 = b1 = None
+    if case.weight1_dtype is not None:
+        w1 = weight_vector(n, case.weight1_dtype, "contiguous", 1.0 + 0.5 * standard_normal(g, n, case.weight1_dtype))
+        if case.bias1_dtype is not None:
+            b1 = weight_vector(n, case.bias1_dtype, "contiguous", 0.5 * standard_normal(g, n, case.bias1_dtype))
+    return {"x1": x1, "x1_0": x1_0, "keep1": keep1, "w1": w1, "b1": b1}
+
+
+def _grad_names(names: tuple, branch, case: Case) -> tuple:
+    """A backward's result names: dx0 follows dx after a branch (dropout, a row scale), then dx1 (x1's);
+    the second weight's gradients come last (dbias1 as dbias: RMSNorm's only with a bias)."""
+    lead = (names[0],) + (("dx0",) if branch is not None else ()) + (("dx1",) if case.x1_dtype else ())
+    tail = ()
+    if case.weight1_dtype is not None:
+        tail = ("dweight1", "dbias1")[:2 if case.bias1_dtype is not None or not case.rms else 1]
+    return lead + names[1:] + tail
 
 
 def _untouched_outside(case: Case, out) -> list:
@@ -541,6 +595,19 @@ def _fp8_results(case: Case, y, y_ref, got: list, scale, h, stats_ref) -> list:
     return results
 
 
+def _recovered_xhat(case: Case, x, w, b, rstd, mean, zc: bool):
+    """xhat in float64 as a backward recovers it from its inputs: x and the statistics, or (from_output) y,
+    the weight and the bias: (y - b) / w, 0 where w is 0."""
+    import cupy
+
+    x64, rstd64 = reference._f64(x), reference._f64(rstd)[..., None]
+    if case.from_output:
+        weight = reference._effective_weight(w, zc)
+        shifted = x64 - reference._f64(b) if b is not None else x64
+        return cupy.where(weight == 0, 0.0, shifted / cupy.where(weight == 0, 1.0, weight))
+    return (x64 - (0.0 if mean is None else reference._f64(mean)[..., None])) * rstd64
+
+
 def dx_scale_of(dy, w, zero_centered: bool, rstd) -> float:
     """||rstd * g||, the size of the terms dx = rstd * (g - mean(g) - xhat * mean(g * xhat))
     is made of. Nearly degenerate rows (N = 2: dx ~ eps / var) cancel far below
@@ -573,6 +640,14 @@ def _run_backward(case: Case, rng, source=None) -> list:
     branch = _branch_inputs(case, x, rng)  # x stands for h here: the mask and row scale act on dx0 alone
     if branch is not None:
         kwargs.update(branch["kwargs"])
+    par = _parallel_inputs(case, rng, branch)
+    dy1 = None
+    if par is not None:
+        kwargs["has_x1"] = case.x1_dtype is not None
+        if par["w1"] is not None:
+            dy1 = row_tensor(g, m, n, case.out_dtype or case.dtype, "contiguous",
+                             standard_normal(g, (m, n), case.out_dtype or case.dtype), _lead(case))
+            kwargs.update(dy1=dy1, weight1=par["w1"], has_bias1=par["b1"] is not None, bias1_dtype=case.bias1_dtype)
     if case.from_output:
         # The op's inputs: y from the float64 forward in x's dtype and layout, its statistics rounded; the
         # reference is the float64 backward of those very inputs.
@@ -586,7 +661,7 @@ def _run_backward(case: Case, rng, source=None) -> list:
         op = rms_norm_backward if case.rms else layer_norm_backward
         with poisoned_allocations():
             got = op(dy, rstd=rstd, weight=w, y=y, bias=b, **kwargs)
-        names = _with_dx0(("dx", "dweight", "dbias")[:3 if case.has_bias or not case.rms else 2], branch)
+        names = _grad_names(("dx", "dweight", "dbias")[:3 if case.has_bias or not case.rms else 2], branch, case)
         if len(got) != len(names):
             return [Result(case, f"{len(got)} results, not {len(names)}", float("inf"), 0.0)]
     elif case.rms:
@@ -598,7 +673,7 @@ def _run_backward(case: Case, rng, source=None) -> list:
         dx_scale = dx_scale_of(dy, w, zc, rstd)  # before the call: dx may be written over dy
         with poisoned_allocations():
             got = rms_norm_backward(dy, x, rstd, w, has_bias=case.has_bias, bias_dtype=case.bias_dtype, **kwargs)
-        names = _with_dx0(("dx", "dweight", "dbias")[:3 if case.has_bias else 2], branch)
+        names = _grad_names(("dx", "dweight", "dbias")[:3 if case.has_bias else 2], branch, case)
         if len(got) != len(names):
             return [Result(case, f"{len(got)} results, not {len(names)}", float("inf"), 0.0)]
     else:
@@ -609,23 +684,41 @@ def _run_backward(case: Case, rng, source=None) -> list:
         with poisoned_allocations():
             got = layer_norm_backward(dy, x, mean, rstd, w, has_bias=case.has_bias, bias_dtype=case.bias_dtype,
                                       **kwargs)
-        names = _with_dx0(("dx", "dweight", "dbias"), branch)
+        names = _grad_names(("dx", "dweight", "dbias"), branch, case)
     tol = {"dx": tolerance(case.dtype, case.dtype), "dweight": tolerance(case.weight_dtype, case.dtype),
-           "dbias": tolerance(case.bias_dtype or case.weight_dtype, case.dtype), "dx0": tolerance(case.dtype, case.dtype)}
+           "dbias": tolerance(case.bias_dtype or case.weight_dtype, case.dtype), "dx0": tolerance(case.dtype, case.dtype),
+           "dx1": tolerance(case.dtype, case.dtype)}
+    if len(got) != len(names):
+        return [Result(case, f"{len(got)} results, not {len(names)}", float("inf"), 0.0)]
+    ref_of = dict(zip(("dx", "dweight", "dbias"), refs))
+    if dy1 is not None:  # the second output's gradient joins g: the float64 backward of both, from the same xhat
+        # The statistics each reference above takes: the op's (from y), or the exact ones.
+        src, stats = (y, (rstd,)) if case.from_output else (x, (rstd64,) if case.rms else (rstd64, mean64))
+        xhat = _recovered_xhat(case, src, w, b, stats[0], stats[1] if len(stats) > 1 else None, zc)
+        dx, dw, db, dw1, db1 = reference.parallel_backward(dy, dy1, xhat, stats[0], w, par["w1"], rms=case.rms,
+                                                           dresidual=dres, zero_centered_weight=zc)
+        ref_of.update(dx=dx, dweight=dw, dbias=db, dweight1=dw1, dbias1=db1)
+        tol.update(dweight1=tolerance(case.weight1_dtype, case.dtype),
+                   dbias1=tolerance(case.bias1_dtype or case.weight1_dtype, case.dtype))
+        dx_scale = (dx_scale ** 2 + dx_scale_of(dy1, par["w1"], zc, rstd) ** 2) ** 0.5
     dx0_scale = 0.0
     if branch is not None:  # dx0 after dx: dx * keep / (1 - p) * rowscale (up to 2 here)
         dx0_scale = dx_scale / (1.0 - case.dropout_p) * (2.0 if branch["rs"] is not None else 1.0)
-        if len(got) != len(names):
-            return [Result(case, f"{len(got)} results, not {len(names)}", float("inf"), 0.0)]
-        refs = (refs[0], reference.branch_grad(refs[0], branch["keep"], case.dropout_p, branch["rs"]), *refs[1:])
+        ref_of["dx0"] = reference.branch_grad(ref_of["dx"], branch["keep"], case.dropout_p, branch["rs"])
+    if case.x1_dtype is not None:  # x1's gradient: dx under its own mask, or dx itself without dropout
+        ref_of["dx1"] = (reference.branch_grad(ref_of["dx"], par["keep1"], case.dropout_p) if case.dropout_p
+                         else ref_of["dx"])
+        if not case.dropout_p and got[names.index("dx1")] is not got[0]:
+            return [Result(case, "dx1 is not dx (no dropout)", float("inf"), 0.0)]
     results = []
-    for name, value, ref in zip(names, got, refs):
+    for name, value in zip(names, got):
+        ref = ref_of[name]
         present = {"dweight": case.has_weight, "dbias": case.has_bias}.get(name, True)
         if not present:
             if value is not None:
                 results.append(Result(case, f"{name} (absent)", float("inf"), 0.0))
             continue
-        floor = {"dx": dx_scale, "dx0": dx0_scale}.get(name, 0.0)
+        floor = {"dx": dx_scale, "dx0": dx0_scale, "dx1": dx0_scale or dx_scale}.get(name, 0.0)
         results.append(Result(case, name, rel_l2(value, ref, floor), tol[name]))
     if case.in_place and got[0] is not dy:
         results.append(Result(case, "dx is dy", float("inf"), 0.0))

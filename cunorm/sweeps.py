@@ -74,6 +74,9 @@ class Case:
     return_amax: bool = False  # (fp8) the call's amax too
     dropout_p: float = 0.0  # dropout on the branch before the residual add (a seed drawn per run)
     rowscale_dtype: str | None = None  # a row scale of this dtype on that branch
+    x1_dtype: str | None = None  # the parallel branch x1 (forward), or x1's gradient asked for (backward)
+    weight1_dtype: str | None = None  # a second weight: the second output y1 (and its gradients)
+    bias1_dtype: str | None = None  # a second bias beside it
 
     def label(self) -> str:
         if self.op == "attention_delta":
@@ -95,7 +98,10 @@ class Case:
                   ("per-head-weights", self.per_head), ("from-output", self.from_output),
                   (f"scaling={self.scaling}", self.scaling is not None), ("amax", self.return_amax),
                   (f"dropout={self.dropout_p}", self.dropout_p > 0),
-                  (f"rowscale={self.rowscale_dtype}", self.rowscale_dtype is not None)]
+                  (f"rowscale={self.rowscale_dtype}", self.rowscale_dtype is not None),
+                  (f"x1={self.x1_dtype}", self.x1_dtype is not None),
+                  (f"weight1={self.weight1_dtype}", self.weight1_dtype is not None),
+                  (f"bias1={self.bias1_dtype}", self.bias1_dtype is not None)]
         flags = "".join(f" {text}" for text, on in extras if on)
         return f"{self.op} N={self.hidden_size} M={self.rows} x={self.dtype} w={self.weight_dtype}{flags}"
 
@@ -200,7 +206,26 @@ def flag_cases(sizes=None, rows=(37,), dtypes_=dtypes.NAMES) -> list:
             cases += from_output_cases(op)
         else:
             cases += fp8_cases(op)
-        cases += branch_cases(op, rows)
+        cases += branch_cases(op, rows) + parallel_cases(op, rows)
+    return cases
+
+
+def parallel_cases(op: str, rows=(37,)) -> list:
+    """The parallel block: x1 (its own dropout mask) and a second weight and bias (y1 and its gradients),
+    each alone and together, with and without dropout and a residual, every input width apart from x's,
+    aligned and general rows, the one-launch and two-launch backwards."""
+    rms = op.startswith("rms")
+    cases = []
+    for n, x, x1, w1, b1, res, p in (
+            (4096, "bfloat16", "bfloat16", "bfloat16", "bfloat16", "bfloat16", 0.1),
+            (4096, "bfloat16", None, "float32", None, None, 0.0),
+            (1024, "float32", "float16", None, None, None, 0.3),
+            (4097, "float16", "float32", "bfloat16", "float32", "float32", 0.2),
+            (768, "float64", "float64", "float64", "float64", None, 0.0),
+            (8192, "bfloat16", "float16", "bfloat16", "bfloat16", "bfloat16", 0.0)):
+        for m in (*rows, 1024):
+            cases.append(Case(op, n, m, x, x, has_bias=not rms, residual_dtype=res, dropout_p=p, x1_dtype=x1,
+                              weight1_dtype=w1, bias1_dtype=b1))
     return cases
 
 

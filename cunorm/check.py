@@ -713,7 +713,8 @@ def _run_backward(case: Case, rng, source=None) -> list:
     results = []
     for name, value in zip(names, got):
         ref = ref_of[name]
-        present = {"dweight": case.has_weight, "dbias": case.has_bias}.get(name, True)
+        present = {"dweight": case.has_weight, "dbias": case.has_bias,
+                   "dbias1": case.bias1_dtype is not None}.get(name, True)
         if not present:
             if value is not None:
                 results.append(Result(case, f"{name} (absent)", float("inf"), 0.0))

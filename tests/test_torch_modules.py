@@ -373,3 +373,58 @@ def test_dropout_and_rowscale_through_autograd():
     assert torch.equal(first, ct.layer_norm(x, dropout_p=0.5))
     with pytest.raises(ValueError, match=r"seed: an int in \[0, 2\*\*63\)"):
         ct.layer_norm(x, dropout_p=0.5, seed=2**63)
+
+
+def test_parallel_block_through_autograd():
+    """x1 (its own mask, stream 1) and a second weight and bias through the functional forms (CPU: the
+    float64 reference): values against torch computing the same, gradcheck at default tolerances through
+    x, x1, the residual and both weights and biases, with and without dropout."""
+    from cunorm import reference
+
+    torch.manual_seed(3)
+    x, x1, r = (torch.randn(4, 24, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    w, b, w1, b1 = (torch.randn(24, dtype=torch.float64, requires_grad=True) for _ in range(4))
+    for p in (0.0, 0.3):
+        keep = torch.from_numpy(reference.dropout_keep((4, 24), p, 11)) if p else None
+        keep1 = torch.from_numpy(reference.dropout_keep((4, 24), p, 11, stream=1)) if p else None
+        for fn, rms in ((ct.layer_norm, False), (lambda *a, **k: ct.rms_norm(*a, eps=1e-5, **k), True)):
+            kw = dict(weight=w, bias=b, weight1=w1, bias1=b1, dropout_p=p, seed=11)
+            y, y1, h = fn(x, residual=r, x1=x1, **kw)
+            drop = (lambda a, k: a if k is None else torch.where(k, a / (1 - p), 0))
+            h_ref = drop(x, keep) + drop(x1, keep1) + r
+            xhat = (h_ref * torch.rsqrt((h_ref * h_ref).mean(-1, keepdim=True) + 1e-5) if rms else
+                    nn.functional.layer_norm(h_ref, (24,), eps=1e-5))
+            assert torch.allclose(h, h_ref, rtol=1e-12, atol=1e-12)
+            assert torch.allclose(y, xhat * w + b, rtol=1e-10, atol=1e-10)
+            assert torch.allclose(y1, xhat * w1 + b1, rtol=1e-10, atol=1e-10)
+            assert torch.autograd.gradcheck(
+                lambda a, a1, q, g, c, g1, c1: fn(a, residual=q, x1=a1, **dict(kw, weight=g, bias=c, weight1=g1,
+                                                                              bias1=c1)),
+                (x, x1, r, w, b, w1, b1))
+            assert torch.autograd.gradcheck(lambda a, a1: fn(a, x1=a1, **dict(kw, weight1=None, bias1=None)), (x, x1))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("p", [0.0, 0.2])
+def test_parallel_block_on_cuda_matches_the_cpu_reference(dtype, p):
+    """The parallel block's values and gradients on CUDA (cunorm's kernels through the custom ops and
+    autograd) against the same calls on CPU float64 tensors (the float64 reference, the same masks)."""
+    torch.manual_seed(4)
+    n = 1024
+    cpu = {k: torch.randn(*((64, n) if k in ("x", "x1", "r") else (n,)), dtype=torch.float64) + (1 if k[0] == "w" else 0)
+           for k in ("x", "x1", "r", "w", "b", "w1", "b1")}
+    results = {}
+    for device in ("cpu", "cuda"):
+        t = {k: v.to(device, dtype if device == "cuda" else torch.float64).requires_grad_() for k, v in cpu.items()}
+        y, y1, h = ct.layer_norm(t["x"], weight=t["w"], bias=t["b"], residual=t["r"], x1=t["x1"], weight1=t["w1"],
+                                 bias1=t["b1"], dropout_p=p, seed=123)
+        g = torch.Generator().manual_seed(5)
+        dy, dy1, dh = (torch.randn(64, n, generator=g, dtype=torch.float64) for _ in range(3))
+        ((y.double() * dy.to(device)).sum() + (y1.double() * dy1.to(device)).sum()
+         + (h.double() * dh.to(device)).sum()).backward()
+        results[device] = [y, y1, h] + [t[k].grad for k in ("x", "x1", "r", "w", "b", "w1", "b1")]
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
+    for got, want in zip(results["cuda"], results["cpu"]):
+        err = float((got.double().cpu() - want.detach()).norm() / want.detach().norm())
+        assert err < tol, err

@@ -32,7 +32,7 @@ def _flat(p: Tensor | None) -> Tensor | None:
 
 
 def _norm(x, normalized_shape, weight, bias, eps, residual, residual_dtype, zero_centered_weight, out_dtype, rms,
-          dropout_p=0.0, seed=None, rowscale=None):
+          dropout_p=0.0, seed=None, rowscale=None, x1=None, weight1=None, bias1=None):
     shape = _shape(normalized_shape if normalized_shape is not None else x.shape[-1])
     rows = _rows(x, shape)
     res = None if residual is None else _rows(residual, shape)
@@ -42,18 +42,21 @@ def _norm(x, normalized_shape, weight, bias, eps, residual, residual_dtype, zero
         raise ValueError(f"seed: an int in [0, 2**63) through cunorm.torch (a custom op's int), got {seed!r}")
     if rowscale is not None:
         rowscale = rowscale.reshape(rows.shape[:-1])
-    y, residual_out, _, _ = ops.norm_fwd(rows, _flat(weight), _flat(bias), res, float(eps), rms,
-                                         bool(zero_centered_weight), out_dtype,
-                                         residual_dtype if residual is not None else None, rowscale,
-                                         float(dropout_p), int(seed or 0))
-    y = y.view(x.shape)
-    return y if residual is None else (y, residual_out.view(x.shape))
+    y, residual_out, _, _, y1 = ops.norm_fwd(rows, _flat(weight), _flat(bias), res, float(eps), rms,
+                                             bool(zero_centered_weight), out_dtype,
+                                             residual_dtype if residual is not None else None, rowscale,
+                                             float(dropout_p), int(seed or 0), None if x1 is None else _rows(x1, shape),
+                                             _flat(weight1), _flat(bias1))
+    outs = [y.view(x.shape)] + ([y1.view(x.shape)] if weight1 is not None else [])
+    outs += [residual_out.view(x.shape)] if residual is not None else []
+    return outs[0] if len(outs) == 1 else tuple(outs)
 
 
 def layer_norm(x: Tensor, normalized_shape=None, weight: Tensor | None = None, bias: Tensor | None = None,
                eps: float = 1e-5, *, residual: Tensor | None = None, residual_dtype: torch.dtype | None = None,
                zero_centered_weight: bool = False, out_dtype: torch.dtype | None = None, dropout_p: float = 0.0,
-               seed: int | None = None, rowscale: Tensor | None = None):
+               seed: int | None = None, rowscale: Tensor | None = None, x1: Tensor | None = None,
+               weight1: Tensor | None = None, bias1: Tensor | None = None):
     """torch.nn.functional.layer_norm's arguments (normalized_shape defaults to
     the last dim), differentiable, plus a fused residual: with `residual`,
     returns (y, residual_out), residual_out = x + residual (in fp32, stored in
@@ -61,23 +64,27 @@ def layer_norm(x: Tensor, normalized_shape=None, weight: Tensor | None = None, b
     Dropout and a row scale on x before the add (flash-attention's
     dropout_add_layer_norm): x * rowscale * keep / (1 - dropout_p), the mask
     drawn from `seed` (default: one drawn from torch's generator), not stored:
-    the backward draws it again. rowscale (x.shape[:-1]) is not differentiated."""
+    the backward draws it again. rowscale (x.shape[:-1]) is not differentiated.
+    The parallel block: x1 is added to h (dropped out with its own mask),
+    and weight1 (and bias1) make a second output y1 after y: (y, y1) or
+    (y, y1, residual_out)."""
     return _norm(x, normalized_shape, weight, bias, eps, residual, residual_dtype, zero_centered_weight, out_dtype,
-                 rms=False, dropout_p=dropout_p, seed=seed, rowscale=rowscale)
+                 rms=False, dropout_p=dropout_p, seed=seed, rowscale=rowscale, x1=x1, weight1=weight1, bias1=bias1)
 
 
 def rms_norm(x: Tensor, normalized_shape=None, weight: Tensor | None = None, eps: float | None = None, *,
              bias: Tensor | None = None, residual: Tensor | None = None, residual_dtype: torch.dtype | None = None,
              zero_centered_weight: bool = False, out_dtype: torch.dtype | None = None, dropout_p: float = 0.0,
-             seed: int | None = None, rowscale: Tensor | None = None):
+             seed: int | None = None, rowscale: Tensor | None = None, x1: Tensor | None = None,
+             weight1: Tensor | None = None, bias1: Tensor | None = None):
     """torch.nn.functional.rms_norm's arguments (eps None: the machine epsilon
     of x's dtype, as torch), differentiable, plus a bias (y = xhat * w + b)
-    and the residual, zero-centered, out_dtype, dropout and rowscale options
-    of `layer_norm`."""
+    and the residual, zero-centered, out_dtype, dropout, rowscale and
+    parallel-block (x1, weight1, bias1) options of `layer_norm`."""
     if eps is None:
         eps = torch.finfo(x.dtype).eps
     return _norm(x, normalized_shape, weight, bias, eps, residual, residual_dtype, zero_centered_weight, out_dtype,
-                 rms=True, dropout_p=dropout_p, seed=seed, rowscale=rowscale)
+                 rms=True, dropout_p=dropout_p, seed=seed, rowscale=rowscale, x1=x1, weight1=weight1, bias1=bias1)
 
 
 def attention_delta(out: Tensor, grad_out: Tensor) -> Tensor:

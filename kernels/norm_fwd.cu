@@ -155,6 +155,13 @@ norm_fwd(const input_t* x, const residual_t* residual, const weight_t* __restric
     mask_row(v, at);
     SumVec h[LDGS];  // x (or the branch) + residual in compute_t (optimized away without either)
     if constexpr (HAS_RESIDUAL) mask_row(r, at);
+    // The keep bits of LDG step `it` as a mask row's bytes (DROPOUT_MASK).
+    auto store_keep = [&](unsigned char* mask, unsigned keep, int it) {
+      if (!row_ok) return;
+#pragma unroll
+      for (int e = 0; e < ELTS_PER_LDG; ++e)
+        if (at.valid(it, e)) mask[row * COLS + at.column(it, e)] = static_cast<unsigned char>((keep >> e) & 1u);
+    };
     if constexpr (BRANCH) {
       const compute_t rsc = ROWSCALE ? (row_ok ? compute_t(to_float(rowscale[row])) : compute_t(0)) : compute_t(1);
 #pragma unroll
@@ -169,14 +176,7 @@ norm_fwd(const input_t* x, const residual_t* residual, const weight_t* __restric
           if constexpr (HAS_RESIDUAL) x0 += r[it].get(e);
           h[it].set(e, x0);
         }
-        if constexpr (DROPOUT_MASK) {
-          if (row_ok) {
-#pragma unroll
-            for (int e = 0; e < ELTS_PER_LDG; ++e)
-              if (at.valid(it, e))
-                keep_out[row * COLS + at.column(it, e)] = static_cast<unsigned char>((keep >> e) & 1u);
-          }
-        }
+        if constexpr (DROPOUT_MASK) store_keep(keep_out, keep, it);
       }
     } else if constexpr (HAS_RESIDUAL || X1) {
 #pragma unroll
@@ -197,14 +197,7 @@ norm_fwd(const input_t* x, const residual_t* residual, const weight_t* __restric
           if constexpr (DROPOUT) x1e = (keep >> e) & 1u ? x1e * keep_scale : compute_t(0);
           h[it].set(e, h[it].get(e) + x1e);
         }
-        if constexpr (DROPOUT_MASK) {
-          if (row_ok) {
-#pragma unroll
-            for (int e = 0; e < ELTS_PER_LDG; ++e)
-              if (at.valid(it, e))
-                keep1_out[row * COLS + at.column(it, e)] = static_cast<unsigned char>((keep >> e) & 1u);
-          }
-        }
+        if constexpr (DROPOUT_MASK) store_keep(keep1_out, keep, it);
       }
     }
     // Element e of LDG step `it` of h; zero outside the row.

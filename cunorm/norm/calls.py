@@ -298,11 +298,16 @@ def _second_weight(args: dict, n: int, heads: bool) -> tuple:
         if B1 is not None:
             raise ValueError("bias1: needs weight1 (the second output is xhat * weight1 + bias1)")
         return None, None
+    _check_second_beside_first(args, heads)
+    return _vector_arg(W1, n), None if B1 is None else _vector_arg(B1, n)
+
+
+def _check_second_beside_first(args: dict, heads: bool):
+    """A second weight needs the first, one weight for every row."""
     if heads:
         raise ValueError("weight1: a second output is not made beside per-head weights")
     if args.get("weight") is None:
         raise ValueError("weight1: a second output needs the first weight too")
-    return _vector_arg(W1, n), None if B1 is None else _vector_arg(B1, n)
 
 
 def backward_args(rms, dy, x, mean, rstd, weight, has_bias, bias_dtype, dresidual, zero_centered_weight, out,
@@ -395,10 +400,7 @@ def _second_output_grad(args: dict, dy_dtype: str, n: int, heads: bool, has_bias
         if has_bias1 or bias1_dtype is not None:
             raise ValueError("has_bias1: only with weight1 and dy1 (a second output)")
         return None, None
-    if heads:
-        raise ValueError("weight1: a second output is not made beside per-head weights")
-    if args.get("weight") is None:
-        raise ValueError("weight1: a second output needs the first weight too")
+    _check_second_beside_first(args, heads)
     got = arrays.check_dtype(DY1)
     arrays.check_shape(DY1, args["dy"].array.shape, "dy's shape")
     if got != dy_dtype:

@@ -331,7 +331,8 @@ def compare(sizes, variants: dict, dtype: str = "bfloat16", weight_dtype: str | 
             repeat: int = 10, directions=DIRECTIONS, out=sys.stdout, ops=("fwd", "bwd", "rms", "rms-bwd")) -> dict:
     """Kernel variants timed side by side at `sizes` on `ops` (names of
     BENCH_OPS; by default LayerNorm and RMSNorm, forward and backward, without
-    a residual; "qk" and "fp8" add those forward cases at their own shapes) in `directions`. `variants`: {label: keyword arguments for the op} (see `variants_of`), the
+    a residual; "qk" and "fp8" add those forward cases at their own shapes) in `directions`.
+    `variants`: {label: keyword arguments for the op} (see `variants_of`), the
     first the baseline; torch's own op joins them where torch is importable.
     Each case runs `rounds` rounds, each timing every variant in turn, so that
     drift hits them alike; per variant, the fraction of a same-run copy as

@@ -686,8 +686,8 @@ def _run_backward(case: Case, rng, source=None) -> list:
                                       **kwargs)
         names = _grad_names(("dx", "dweight", "dbias"), branch, case)
     tol = {"dx": tolerance(case.dtype, case.dtype), "dweight": tolerance(case.weight_dtype, case.dtype),
-           "dbias": tolerance(case.bias_dtype or case.weight_dtype, case.dtype), "dx0": tolerance(case.dtype, case.dtype),
-           "dx1": tolerance(case.dtype, case.dtype)}
+           "dbias": tolerance(case.bias_dtype or case.weight_dtype, case.dtype),
+           "dx0": tolerance(case.dtype, case.dtype), "dx1": tolerance(case.dtype, case.dtype)}
     if len(got) != len(names):
         return [Result(case, f"{len(got)} results, not {len(names)}", float("inf"), 0.0)]
     ref_of = dict(zip(("dx", "dweight", "dbias"), refs))

@@ -47,7 +47,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--shard", default="0/1", type=shard, help="i/k: run every k-th case starting at i (0 <= i < k)")
     p.add_argument("--rows", type=int, default=3)
-    p.add_argument("--only", metavar="REGEX", help="only the cases whose label matches (re.search), e.g. 'x1=|weight1='")
+    p.add_argument("--only", metavar="REGEX",
+                   help="only the cases whose label matches (re.search), e.g. 'x1=|weight1='")
     a = p.parse_args(argv)
     i, k = a.shard
     cases = [c for c in sweep_cases(a.rows) if a.only is None or re.search(a.only, c.label())][i::k]

@@ -57,7 +57,8 @@ def test_forward_and_backward_match_autograd(rms, p, with_x1, with_w1, with_b1, 
              b1=rng.standard_normal(n) if with_b1 else None)
     kw = dict(residual=a["res"], x1=a["x1"], weight1=a["w1"], bias1=a["b1"], dropout_p=p, seed=seed if p else None,
               return_dropout_mask=bool(p), return_stats=True)
-    out = list(cunorm.rms_norm(a["x"], a["w"], bias=a["b"], **kw) if rms else cunorm.layer_norm(a["x"], a["w"], a["b"], **kw))
+    out = list(cunorm.rms_norm(a["x"], a["w"], bias=a["b"], **kw) if rms
+               else cunorm.layer_norm(a["x"], a["w"], a["b"], **kw))
     y = out.pop(0)
     y1 = out.pop(0) if with_w1 else None
     h = out.pop(0) if (with_x1 or with_residual or p) else None

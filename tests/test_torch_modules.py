@@ -412,8 +412,8 @@ def test_parallel_block_on_cuda_matches_the_cpu_reference(dtype, p):
     autograd) against the same calls on CPU float64 tensors (the float64 reference, the same masks)."""
     torch.manual_seed(4)
     n = 1024
-    cpu = {k: torch.randn(*((64, n) if k in ("x", "x1", "r") else (n,)), dtype=torch.float64) + (1 if k[0] == "w" else 0)
-           for k in ("x", "x1", "r", "w", "b", "w1", "b1")}
+    cpu = {k: torch.randn(*((64, n) if k in ("x", "x1", "r") else (n,)), dtype=torch.float64)
+           + (1 if k[0] == "w" else 0) for k in ("x", "x1", "r", "w", "b", "w1", "b1")}
     results = {}
     for device in ("cpu", "cuda"):
         t = {k: v.to(device, dtype if device == "cuda" else torch.float64, copy=True).requires_grad_()

@@ -133,6 +133,8 @@ def _fit(knobs: dict, call: dict, general: bool, aligned: bool, arch: int) -> Tr
             raise ValueError("the layout needs narrower loads than the tuned entry")
         if not general and not t.aligned_rows and t.threads_per_cta > 256:
             t = t.replace(cache_weights=False)  # shifted rows take an extra vector and masks: registers
+        if t.parallel:  # a second weight (and bias) held beside the first would spill: both re-read instead
+            t = t.replace(cache_weights=False)
         present = [t.weight_dtype] * t.has_weight + [t.bias_dtype] * t.has_bias
         wide = max(map(dtypes.itemsize, present), default=0)
         if wide > dtypes.itemsize(input_dtype):
@@ -171,7 +173,8 @@ def heuristic(*, hidden_size: int, input_dtype: str, elts_per_ldg: int | None = 
                 t = Traits(hidden_size=hidden_size, input_dtype=input_dtype, backward=backward,
                            **{**KNOB_DEFAULTS, "warps_n": warps_n, "ctas_per_row": ctas,
                               "bytes_per_ldg": bytes_per_ldg, "stages": 1,
-                              "cache_weights": not rest.get("per_head", False)}, aligned_rows=aligned_rows, **rest)
+                              "cache_weights": not (rest.get("per_head", False) or rest.get("weight1_dtype"))},
+                           aligned_rows=aligned_rows, **rest)
             except ValueError:
                 continue
             slots = t.ldgs * t.vec_cols_per_ldg

@@ -484,8 +484,15 @@ def _branch_inputs(case: Case, x, rng):
     keep = None
     if case.dropout_p:
         keep = cupy.asarray(reference.dropout_keep(x.shape, case.dropout_p, seed))
-        x0 = cupy.where(keep, x0 / (1.0 - case.dropout_p), 0.0)
+        x0 = _dropped(x0, keep, case.dropout_p)
     return {"kwargs": dict(dropout_p=case.dropout_p, seed=seed, rowscale=rs), "x0": x0, "keep": keep, "rs": rs}
+
+
+def _dropped(a, keep, p: float):
+    """a * keep / (1 - p) (float64, CuPy): a branch after dropout."""
+    import cupy
+
+    return cupy.where(keep, a / (1.0 - p), 0.0)
 
 
 def _parallel_inputs(case: Case, rng, branch):
@@ -505,7 +512,7 @@ def _parallel_inputs(case: Case, rng, branch):
         seed = branch["kwargs"]["seed"]
         keep1 = cupy.asarray(reference.dropout_keep((*case.lead, n), case.dropout_p, seed, stream=1))
         if x1_0 is not None:
-            x1_0 = cupy.where(keep1, x1_0 / (1.0 - case.dropout_p), 0.0)
+            x1_0 = _dropped(x1_0, keep1, case.dropout_p)
     w1 = b1 = None
     if case.weight1_dtype is not None:
         w1 = weight_vector(n, case.weight1_dtype, "contiguous", 1.0 + 0.5 * standard_normal(g, n, case.weight1_dtype))
@@ -595,19 +602,6 @@ def _fp8_results(case: Case, y, y_ref, got: list, scale, h, stats_ref) -> list:
     return results
 
 
-def _recovered_xhat(case: Case, x, w, b, rstd, mean, zc: bool):
-    """xhat in float64 as a backward recovers it from its inputs: x and the statistics, or (from_output) y,
-    the weight and the bias: (y - b) / w, 0 where w is 0."""
-    import cupy
-
-    x64, rstd64 = reference._f64(x), reference._f64(rstd)[..., None]
-    if case.from_output:
-        weight = reference._effective_weight(w, zc)
-        shifted = x64 - reference._f64(b) if b is not None else x64
-        return cupy.where(weight == 0, 0.0, shifted / cupy.where(weight == 0, 1.0, weight))
-    return (x64 - (0.0 if mean is None else reference._f64(mean)[..., None])) * rstd64
-
-
 def dx_scale_of(dy, w, zero_centered: bool, rstd) -> float:
     """||rstd * g||, the size of the terms dx = rstd * (g - mean(g) - xhat * mean(g * xhat))
     is made of. Nearly degenerate rows (N = 2: dx ~ eps / var) cancel far below
@@ -694,7 +688,8 @@ def _run_backward(case: Case, rng, source=None) -> list:
     if dy1 is not None:  # the second output's gradient joins g: the float64 backward of both, from the same xhat
         # The statistics each reference above takes: the op's (from y), or the exact ones.
         src, stats = (y, (rstd,)) if case.from_output else (x, (rstd64,) if case.rms else (rstd64, mean64))
-        xhat = _recovered_xhat(case, src, w, b, stats[0], stats[1] if len(stats) > 1 else None, zc)
+        xhat = reference.recovered_xhat(src, stats[0], stats[1] if len(stats) > 1 else None, weight=w, bias=b,
+                                        from_output=case.from_output, zero_centered_weight=zc)
         dx, dw, db, dw1, db1 = reference.parallel_backward(dy, dy1, xhat, stats[0], w, par["w1"], rms=case.rms,
                                                            dresidual=dres, zero_centered_weight=zc)
         ref_of.update(dx=dx, dweight=dw, dbias=db, dweight1=dw1, dbias1=db1)

@@ -122,6 +122,19 @@ def parallel_backward(dy, dy1, xhat, rstd, weight, weight1, *, rms: bool = False
     return dx, (dy * xhat).sum(axis=lead), dy.sum(axis=lead), (dy1 * xhat).sum(axis=lead), dy1.sum(axis=lead)
 
 
+def recovered_xhat(x, rstd=None, mean=None, *, weight=None, bias=None, from_output: bool = False,
+                   zero_centered_weight: bool = False):
+    """xhat in float64 as a backward recovers it: (x - mean) * rstd (mean None: RMSNorm's x * rstd), or,
+    from the forward's output (from_output, x being y), (y - bias) / w, 0 where w is 0."""
+    x = _f64(x)
+    if from_output:
+        w = _effective_weight(weight, zero_centered_weight)
+        shifted = x - _f64(bias) if bias is not None else x
+        with np.errstate(all="ignore"):  # a zero multiplier loses xhat: taken as 0, as the kernels take it
+            return np.where(w == 0, 0.0, shifted / w) if w is not None else shifted
+    return (x - (0.0 if mean is None else _f64(mean)[..., None])) * _f64(rstd)[..., None]
+
+
 def norm_backward_from_output(dy, y, rstd, weight=None, bias=None, *, rms: bool = False, dresidual=None,
                               zero_centered_weight: bool = False):
     """(dx, dweight, dbias) in float64 from the forward's output y (the
@@ -129,9 +142,7 @@ def norm_backward_from_output(dy, y, rstd, weight=None, bias=None, *, rms: bool 
     given exact y; y's rounding reaches xhat divided by w."""
     dy, y, rstd = _f64(dy), _f64(y), _f64(rstd)[..., None]
     w = _effective_weight(weight, zero_centered_weight)
-    shifted = y - _f64(bias) if bias is not None else y
-    with np.errstate(all="ignore"):  # a zero multiplier loses xhat: taken as 0, as the kernels take it
-        xhat = np.where(w == 0, 0.0, shifted / w) if w is not None else shifted
+    xhat = recovered_xhat(y, weight=weight, bias=bias, from_output=True, zero_centered_weight=zero_centered_weight)
     dx = _row_grads(dy, xhat, rstd, w, dresidual, centered=not rms)
     lead = _summed_axes(y, weight)
     return dx, ((dy * xhat).sum(axis=lead) if weight is not None else None), dy.sum(axis=lead)

@@ -185,6 +185,11 @@ class Traits:
         return self.dropout or self.rowscale_dtype is not None
 
     @property
+    def stores_h(self) -> bool:
+        """(forward) Whether h is stored as residual_out (STORES_H): with a residual, a branch or x1."""
+        return not self.backward and (self.has_residual or self.branch or self.x1_dtype is not None)
+
+    @property
     def parallel(self) -> bool:
         """A second output y1 from a second weight."""
         return self.weight1_dtype is not None

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from .. import arrays, plan
 from ..launch import f32_bits, f64_bits
+from ..reference import dropout_threshold
 from ..source import check_source
 from . import calls, cpu, plans
 from .calls import call_base  # noqa: F401  (call_base: the checker's dispatch fields)
@@ -111,7 +112,7 @@ def _forward(rms, key, ptrs, x, weight, bias, eps, residual, residual_dtype, zer
     with plan.on_device(args["x"].array.device_id):
         call, _ = plans.forward_plan(args, base, traits, rms, bool(return_stats), source, extended=extended)
     plan.remember(key, call)
-    bits = _eps_bits(eps) + (_branch_bits(branch) if branch.on else ())
+    bits = _eps_bits(eps) + (_branch_bits(branch.dropout_p, branch.seed) if branch.on else ())
     return call.run(*_objs_and_ptrs(args, call.names), bits)
 
 
@@ -122,16 +123,14 @@ def _branch_call_bits(p, seed):
         return None
     if p and (seed.__class__ is not int or not 0 <= seed < 2**64):
         return None
-    return _branch_bits(calls.Branch(float(p), int(seed or 0)))
+    return _branch_bits(float(p), int(seed or 0))
 
 
-def _branch_bits(branch) -> tuple:
+def _branch_bits(p: float, seed: int) -> tuple:
     """The per-call scalars of a branch (`plans.BRANCH_SCALARS`): the seed, the dropout threshold, and
     1 / (1 - p) as float32 and float64 bits."""
-    from ..reference import dropout_threshold
-
-    keep = 1.0 / (1.0 - branch.dropout_p)
-    return branch.seed, dropout_threshold(branch.dropout_p), f32_bits(keep), f64_bits(keep)
+    keep = 1.0 / (1.0 - p)
+    return seed, dropout_threshold(p), f32_bits(keep), f64_bits(keep)
 
 
 def _backward(rms, key, dy, x, mean, rstd, weight, has_bias, bias_dtype, dresidual, zero_centered_weight, out,
@@ -146,7 +145,8 @@ def _backward(rms, key, dy, x, mean, rstd, weight, has_bias, bias_dtype, dresidu
     with plan.on_device(args["x"].array.device_id):
         call, _ = plans.backward_plan(args, base, traits, rms, source, extended=extended, has_x1=branch.x1)
     plan.remember(key, call)
-    return call.run(*_objs_and_ptrs(args, call.names), _branch_bits(branch) if branch.on else ())
+    return call.run(*_objs_and_ptrs(args, call.names),
+                    _branch_bits(branch.dropout_p, branch.seed) if branch.on else ())
 
 
 def _backward_branch(rms, dy, x, mean, rstd, weight, has_bias, bias_dtype, dresidual, zero_centered_weight, out,

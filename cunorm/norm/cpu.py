@@ -2,8 +2,6 @@
 on the CPU and return numpy arrays in the dtypes the GPU path would."""
 from __future__ import annotations
 
-import numpy as np
-
 from .. import dtypes, reference
 from . import calls
 
@@ -73,7 +71,9 @@ def backward(args: dict, base: dict, rms: bool, branch=calls.NO_BRANCH, dx0_dtyp
                                                    _arr(W), dresidual=_arr(DR), zero_centered_weight=zc)
     seconds = []
     if args.get("weight1") is not None:  # the second output: its gradient joins g (dresidual counted once)
-        xhat = _xhat(args, base, rms)
+        xhat = reference.recovered_xhat(X.array, args["rstd"].array, _arr(args.get("mean")),
+                                        weight=_arr(W), bias=_arr(args.get("bias")),
+                                        from_output=bool(base.get("from_output")), zero_centered_weight=zc)
         dx, dw, db, dw1, db1 = reference.parallel_backward(DY.array, args["dy1"].array, xhat, args["rstd"].array,
                                                            _arr(W), args["weight1"].array, rms=rms,
                                                            dresidual=_arr(DR), zero_centered_weight=zc)
@@ -101,15 +101,3 @@ def backward(args: dict, base: dict, rms: bool, branch=calls.NO_BRANCH, dx0_dtyp
         return (dx, *grads, dw, *seconds)
     return (dx, *grads, dw, db.astype(b_np) if base["has_bias"] else None, *seconds)
 
-
-def _xhat(args: dict, base: dict, rms: bool):
-    """xhat in float64 as the backward recovers it: from x and the statistics, or from y (from_output:
-    (y - bias) / w, 0 where w is 0)."""
-    X, rstd = reference._f64(args["x"].array), reference._f64(args["rstd"].array)[..., None]
-    if base.get("from_output"):
-        w = reference._effective_weight(_arr(args["weight"]), base["zero_centered"])
-        shifted = X - reference._f64(args["bias"].array) if args.get("bias") is not None else X
-        with np.errstate(all="ignore"):
-            return np.where(w == 0, 0.0, shifted / w)
-    mean = 0.0 if rms else reference._f64(args["mean"].array)[..., None]
-    return (X - mean) * rstd

@@ -275,7 +275,7 @@ def forward_plan(args: dict, base: dict, traits, rms: bool, return_stats: bool, 
     if t.parallel:  # y1, the second output
         picks.append(("made", len(outputs)))
         outputs.append(Output("y1", shape, dtypes.numpy_dtype(base["output_dtype"]), p.rows["y1"].offset))
-    if R is not None or t.branch or t.x1_dtype is not None:  # h
+    if t.stores_h:  # h
         picks.append(("made", len(outputs)))
         outputs.append(Output("residual_out", shape, dtypes.numpy_dtype(base["residual_out_dtype"]),
                               p.rows["residual_out"].offset))

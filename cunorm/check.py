@@ -197,7 +197,10 @@ def case_call(case: Case) -> dict:
     if not case.in_place:
         given = case.layout_of("out")
         rows.append(layout.fresh_rows("out", m, n, mirrored) if given is None else _layout_rows("out", given, m, n))
-    # x1 and dy1 (the parallel block) are contiguous in every case: laid out as a contiguous x.
+    if case.x1_dtype is not None and not case.backward:  # x1, dy1 (the parallel block): contiguous in every case
+        rows.append(_layout_rows("x1", "contiguous", m, n))
+    if case.weight1_dtype is not None and case.backward:
+        rows.append(_layout_rows("dy1", "contiguous", m, n))
     if (res is not None or branch.writes_h) and not case.backward:
         rows.append(layout.fresh_rows("residual_out", m, n, mirrored))
     if case.weight1_dtype is not None and not case.backward:

@@ -213,19 +213,21 @@ def flag_cases(sizes=None, rows=(37,), dtypes_=dtypes.NAMES) -> list:
 def parallel_cases(op: str, rows=(37,)) -> list:
     """The parallel block: x1 (its own dropout mask) and a second weight and bias (y1 and its gradients),
     each alone and together, with and without dropout and a residual, every input width apart from x's,
-    aligned and general rows, the one-launch and two-launch backwards."""
+    aligned and general rows, x offset from its contiguous x1 (and dy1), the one-launch and two-launch
+    backwards."""
     rms = op.startswith("rms")
     cases = []
-    for n, x, x1, w1, b1, res, p in (
-            (4096, "bfloat16", "bfloat16", "bfloat16", "bfloat16", "bfloat16", 0.1),
-            (4096, "bfloat16", None, "float32", None, None, 0.0),
-            (1024, "float32", "float16", None, None, None, 0.3),
-            (4097, "float16", "float32", "bfloat16", "float32", "float32", 0.2),
-            (768, "float64", "float64", "float64", "float64", None, 0.0),
-            (8192, "bfloat16", "float16", "bfloat16", "bfloat16", "bfloat16", 0.0)):
+    for n, x, x1, w1, b1, res, p, layout in (
+            (4096, "bfloat16", "bfloat16", "bfloat16", "bfloat16", "bfloat16", 0.1, "contiguous"),
+            (4096, "bfloat16", None, "float32", None, None, 0.0, "contiguous"),
+            (1024, "float32", "float16", None, None, None, 0.3, "contiguous"),
+            (4097, "float16", "float32", "bfloat16", "float32", "float32", 0.2, "contiguous"),
+            (768, "float64", "float64", "float64", "float64", None, 0.0, "contiguous"),
+            (8192, "bfloat16", "float16", "bfloat16", "bfloat16", "bfloat16", 0.0, "contiguous"),
+            (1000, "bfloat16", "bfloat16", "float32", "bfloat16", "bfloat16", 0.3, "offset:5")):
         for m in (*rows, 1024):
             cases.append(Case(op, n, m, x, x, has_bias=not rms, residual_dtype=res, dropout_p=p, x1_dtype=x1,
-                              weight1_dtype=w1, bias1_dtype=b1))
+                              weight1_dtype=w1, bias1_dtype=b1, layout=layout))
     return cases
 
 

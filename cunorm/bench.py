@@ -15,7 +15,7 @@ from . import dtypes
 from .check import SHORT_NAMES
 from .source import defined_kernels
 # Re-exported: callers and the tests' stand-ins reach them as bench.*.
-from .timing import copy_bandwidth, gpu_name, graph_ms, median_ms, per_call_us, progress  # noqa: F401
+from .timing import copy_bandwidth, gpu_name, graph_ms, kernel_ms, median_ms, per_call_us, progress  # noqa: F401
 
 BENCH_SIZES = (768, 1024, 4096, 8192, 16384, 65536)
 DELTA_HEAD_DIMS = (64, 128, 256)
@@ -328,7 +328,8 @@ def _shipped_of(source: str) -> str:
 
 
 def compare(sizes, variants: dict, dtype: str = "bfloat16", weight_dtype: str | None = None, rounds: int = 5,
-            repeat: int = 10, directions=DIRECTIONS, out=sys.stdout, ops=("fwd", "bwd", "rms", "rms-bwd")) -> dict:
+            repeat: int = 10, directions=DIRECTIONS, out=sys.stdout, ops=("fwd", "bwd", "rms", "rms-bwd"),
+            timing: str = "api") -> dict:
     """Kernel variants timed side by side at `sizes` on `ops` (names of
     BENCH_OPS; by default LayerNorm and RMSNorm, forward and backward, without
     a residual; "qk" and "fp8" add those forward cases at their own shapes) in `directions`.
@@ -340,12 +341,14 @@ def compare(sizes, variants: dict, dtype: str = "bfloat16", weight_dtype: str | 
     variant the op refuses at a size (illegal traits: ValueError; or one that
     fails to compile or launch) is skipped there. Verdict of each against the
     baseline: "within noise" where the two ranges overlap, else "faster" or
-    "slower"; a row's "verdict" sums up the variants given (torch aside)."""
+    "slower"; a row's "verdict" sums up the variants given (torch aside). `timing`: "api" (per call through
+    the API) or "kernel" (the kernels alone), as `timer_of` says."""
+    timer = timer_of(timing)
     copy = copy_bandwidth()
     results = {"gpu": gpu_name(), "copy_gbps": copy / 1e9, "dtype": dtype, "weight_dtype": weight_dtype or dtype,
-               "rounds": rounds, "variants": list(variants), "rows": []}
+               "rounds": rounds, "variants": list(variants), "timing": timing, "rows": []}
     print(f"# {results['gpu']}: copy {copy / 1e9:.0f} GB/s; {', '.join(variants)} (and torch where importable), "
-          f"{rounds} interleaved rounds; fraction of copy: median [min, max]", file=out)
+          f"{rounds} interleaved rounds, {_TIMING_WORDS[timing]}; fraction of copy: median [min, max]", file=out)
     print(f"{'op':<16} {'N':>6}  {'variant':<26} {'of copy [min, max]':<22} {'us/call':>9}  verdict", file=out)
     pairs = {(op, d) for op, d in op_pairs(ops) if d in directions}
     cases = norm_cases(sizes, dtype, weight_dtype, NORM_OPS, directions=directions, native=True, only=pairs)
@@ -368,7 +371,7 @@ def compare(sizes, variants: dict, dtype: str = "bfloat16", weight_dtype: str | 
             ms = {label: [] for label in fns}
             for _ in range(rounds):
                 for label, fn in fns.items():
-                    ms[label].append(median_ms(fn, repeat))
+                    ms[label].append(timer(fn, repeat))
                 bar.update(1)
             row = _compared(case, ms, skipped, copy, list(variants))
             results["rows"].append(row)
@@ -418,18 +421,29 @@ def _compared_lines(row: dict):
         yield f"{head}  {label:<26} {spread:<22} {v['us']:>9.1f}  {v.get('verdict', '')}"
 
 
+_TIMING_WORDS = {"api": "per call through the API", "kernel": "kernel time (calls queued behind a spin)"}
+
+
+def timer_of(timing: str):
+    """The timer of a `timing`: "api", per call through the API (median_ms); "kernel", the kernels alone
+    (kernel_ms: --kernel-time)."""
+    return {"api": median_ms, "kernel": kernel_ms}[timing]
+
+
 def run(sizes=BENCH_SIZES, dtype="bfloat16", weight_dtype=None, repeat=20, out=sys.stdout,
-        head_dims=DELTA_HEAD_DIMS, extras=True, ops=None) -> dict:
+        head_dims=DELTA_HEAD_DIMS, extras=True, ops=None, timing: str = "api") -> dict:
     """The bandwidth table: every op at `sizes` (and, with `extras`, strided
     rows and odd sizes), attention_delta at `head_dims`; `ops` (names of
-    BENCH_OPS; None: all) picks the ops and directions."""
+    BENCH_OPS; None: all) picks the ops and directions; `timing` as `timer_of` says."""
+    timer = timer_of(timing)
     pairs = op_pairs(ops)
     head_dims = head_dims if ops is None or "delta" in ops else ()
     qk, fp8, dropout = (ops is None or name in ops for name in ("qk", "fp8", "dropout"))
     copy = copy_bandwidth()
     results = {"gpu": gpu_name(), "copy_gbps": copy / 1e9, "dtype": dtype,
-               "weight_dtype": weight_dtype or dtype, "elements": ELEMENTS, "rows": []}
-    print(f"# {results['gpu']}: device-to-device copy {copy / 1e9:.0f} GB/s (read + write)", file=out)
+               "weight_dtype": weight_dtype or dtype, "elements": ELEMENTS, "timing": timing, "rows": []}
+    print(f"# {results['gpu']}: device-to-device copy {copy / 1e9:.0f} GB/s (read + write); "
+          f"{_TIMING_WORDS[timing]}", file=out)
     print(f"{'op':<36} {'N or K':>6} {'ms':>8} {'GB/s':>7} {'of copy':>7}", file=out)
     cases = [norm_cases(sizes, dtype, weight_dtype, only=pairs)]
     count = len(sizes) * len(pairs) + len(head_dims) + qk + fp8 + 2 * len(DROPOUT_SIZES) * dropout
@@ -440,13 +454,13 @@ def run(sizes=BENCH_SIZES, dtype="bfloat16", weight_dtype=None, repeat=20, out=s
     with progress(count, "benchmarking", out) as (bar, echo):
         for case in itertools.chain(*cases, delta_cases(head_dims, dtype), qk_cases(dtype) if qk else (),
                                     fp8_cases(dtype) if fp8 else (), dropout_cases(dtype) if dropout else ()):
-            ms = median_ms(case.call, repeat)
+            ms = timer(case.call, repeat)
             bw = case.nbytes / (ms * 1e-3)
             results["rows"].append({"op": case.op, "n": case.n, "ms": ms, "gbps": bw / 1e9,
                                     "fraction_of_copy": bw / copy})
             echo(f"{case.op:<36} {case.n:>6} {ms:>8.4f} {bw / 1e9:>7.0f} {bw / copy:>7.3f}")
             if case.native is not None:  # torch doing the same, same bytes counted
-                ms = median_ms(case.native, repeat)
+                ms = timer(case.native, repeat)
                 bw = case.nbytes / (ms * 1e-3)
                 results["rows"].append({"op": f"{case.op} (torch)", "n": case.n, "ms": ms, "gbps": bw / 1e9,
                                         "fraction_of_copy": bw / copy})

@@ -298,6 +298,11 @@ def _inputs(case: Case, rng):
     return x, w, b, r
 
 
+def _traits_of(case: Case) -> dict | None:
+    """The `traits=` a case forces (its knobs), or None: dispatch's choice."""
+    return None if case.knobs is None else dict(case.knobs)
+
+
 def _given_out(case: Case, dtype: str):
     """The `out=` a case passes when it names an out_layout: NaN everywhere, so
     an element the op leaves unwritten cannot pass."""
@@ -327,7 +332,12 @@ def case_kernels(cases, arch: int, spills=None, gpu=None):
         else:
             try:
                 call = case_call(case)
-                found = [dispatch.choose(arch=arch, gpu=gpu, **call)]
+                if case.knobs is not None:  # forced: no spill fallback (the op runs them as given)
+                    t = dispatch.from_knobs(dict(case.knobs), **call)
+                    t.check_arch(arch)
+                    found = [(t, "caller")]
+                else:
+                    found = [dispatch.choose(arch=arch, gpu=gpu, **call)]
             except ValueError as e:
                 yield e, "unsupported"
                 continue
@@ -421,7 +431,7 @@ def _run_forward(case: Case, rng, source=None) -> list:
     fp8 = case.scaling is not None
     kwargs = dict(residual=r, zero_centered_weight=zc, return_stats=True, out_dtype=case.out_dtype,
                   out=x if case.in_place else (None if fp8 else _given_out(case, case.out_dtype or case.dtype)),
-                  source=source)
+                  source=source, traits=_traits_of(case))
     if r is not None and case.residual_out_dtype is not None:
         kwargs["residual_dtype"] = case.residual_out_dtype
     if branch is not None:
@@ -633,7 +643,7 @@ def _run_backward(case: Case, rng, source=None) -> list:
     zc = case.zero_centered
     eps = 1e-5
     kwargs = dict(dresidual=dres, zero_centered_weight=zc, out=dy if case.in_place else _given_out(case, case.dtype),
-                  source=source)
+                  source=source, traits=_traits_of(case))
     branch = _branch_inputs(case, x, rng)  # x stands for h here: the mask and row scale act on dx0 alone
     if branch is not None:
         kwargs.update(branch["kwargs"])

@@ -17,8 +17,8 @@ import itertools
 import math
 
 from . import dtypes
-from .traits import (CLUSTER_MIN_ARCH, DEFAULT_SMEM_LIMIT, KNOB_DEFAULTS, KNOBS, PREFERRED_ELTS_PER_THREAD,
-                     SMEM_LIMIT, Traits)
+from .traits import (CLUSTER_MIN_ARCH, DEFAULT_SMEM_LIMIT, KNOB_DEFAULTS, KNOBS, LANES_PER_ROW,
+                     PREFERRED_ELTS_PER_THREAD, SMEM_LIMIT, THREADS_PER_WARP, Traits)
 from .tuned import TUNED, TUNED_ARCH, TUNED_GENERAL  # the measured tables, a literal of their own
 
 # Hidden sizes with tuned entries (both directions, every input dtype).
@@ -31,6 +31,14 @@ TUNED_SIZES = (768, 1024, 1536, 2048, 2304, 3072, 3840, 4096, 5120, 6144, 8192, 
 TARGET_LDGS = {False: 4, True: 4}
 MIN_THREADS_PER_CTA = 128
 NARROW_LOAD_COST = 1.75  # measured: q/k-norm rows of 128 bf16, 0.53 -> 0.62-0.64 of copy on an H100 with 8-byte loads
+SHARED_WARP_COST = 0.25  # several rows a warp (lanes_per_row < 32): a tie-breaker towards whole-warp rows
+# A row's lanes moving less than a 128-byte line per load (4 lanes of 16 bytes): measured on q/k rows of 128
+# bf16, 4 lanes read 0.855 / 0.80 of copy on an H100 / H200 where 8 lanes read 0.872 / 0.834 (kernel time).
+PARTIAL_LINE_COST = 1.5
+# Backwards of rows sharing warps, two loads a row or fewer, take 256-thread CTAs: N = 128 bf16 read 0.870 /
+# 0.881 of copy on an H100 / H200 with 8 warps a CTA, 0.844 / 0.863 with 4 (at four loads, N = 256, the two
+# were within 0.005 on an H100, and 8 warps leave no shared memory for staging).
+SHARED_WARP_BACKWARD_THREADS = 256
 DEFAULT_STAGES = 3
 STAGED_SMEM_BUDGET = 100 * 1024
 # Above 512 threads a CTA gets fewer than 128 registers per thread; wider rows
@@ -164,15 +172,18 @@ def heuristic(*, hidden_size: int, input_dtype: str, elts_per_ldg: int | None = 
     best, best_cost = None, math.inf
     # The widest vector, and half of it (at NARROW_LOAD_COST): a short row (N = 128 in bf16: a q/k head) fills
     # a whole warp with 8-byte loads where 16-byte ones leave half of it idle.
-    for narrow, ctas in itertools.product((0, 1), ctas_options):
+    # Short aligned rows may also share a warp (lanes_per_row < 32: several rows a warp, one warp wide).
+    for narrow, ctas, lanes in itertools.product((0, 1), ctas_options, LANES_PER_ROW[::-1]):
+        if lanes < THREADS_PER_WARP and (ctas > 1 or not aligned_rows):
+            continue
         bytes_per_ldg = (elts_per_ldg * itemsize) >> narrow
         # Without clusters, a row must fit one CTA (of at most 16 warps: wider CTAs get 64 registers a thread).
         max_warps_n = MAX_HEURISTIC_WARPS_N[backward] if arch >= CLUSTER_MIN_ARCH else 16
-        for warps_n in range(1, 33):
+        for warps_n in range(1, 33) if lanes == THREADS_PER_WARP else (1,):
             try:
                 t = Traits(hidden_size=hidden_size, input_dtype=input_dtype, backward=backward,
                            **{**KNOB_DEFAULTS, "warps_n": warps_n, "ctas_per_row": ctas,
-                              "bytes_per_ldg": bytes_per_ldg, "stages": 1,
+                              "bytes_per_ldg": bytes_per_ldg, "stages": 1, "lanes_per_row": lanes,
                               "cache_weights": not (rest.get("per_head", False) or rest.get("weight1_dtype"))},
                            aligned_rows=aligned_rows, **rest)
             except ValueError:
@@ -182,7 +193,8 @@ def heuristic(*, hidden_size: int, input_dtype: str, elts_per_ldg: int | None = 
             # Fewer loads than the target cost latency hiding; more cost registers (and spill).
             ratio = math.log2(t.ldgs / TARGET_LDGS[backward])
             cost = (4.0 * idle + (-ratio if ratio < 0 else 3.0 * ratio) + 0.25 * (ctas - 1)
-                    + 0.5 * (warps_n & (warps_n - 1) != 0) + NARROW_LOAD_COST * narrow)
+                    + 0.5 * (warps_n & (warps_n - 1) != 0) + NARROW_LOAD_COST * narrow
+                    + (SHARED_WARP_COST + PARTIAL_LINE_COST * (lanes * bytes_per_ldg < 128)) * (lanes < THREADS_PER_WARP))
             # Last resorts, for rows nothing else holds: wider CTAs than the register file favours, more
             # elements per thread than fit without spilling.
             preferred = PREFERRED_ELTS_PER_THREAD[two_rows] // t.register_words
@@ -203,7 +215,8 @@ def heuristic(*, hidden_size: int, input_dtype: str, elts_per_ldg: int | None = 
         except ValueError:  # general rows whose weights would not fit shared memory (wide fp64 rows): registers
             pass
     if best.ctas_per_row == 1:
-        warps_m = max(1, MIN_THREADS_PER_CTA // best.threads_per_row)
+        shared = backward and best.lanes_per_row < THREADS_PER_WARP and best.ldgs <= 2
+        warps_m = max(1, (SHARED_WARP_BACKWARD_THREADS if shared else MIN_THREADS_PER_CTA) // best.threads_per_cta)
         while warps_m > 1:
             try:
                 best = best.replace(warps_m=warps_m)

@@ -25,11 +25,20 @@ import numpy as np
 from . import scratch
 
 _SLOT_TYPES = ("ptr", "i64", "i32", "u32", "f32", "f64", "axes")
-AXES_SLOTS = 4  # a RowAxes parameter (kernels/norm_traits.cuh): three i64 strides, two u32 sizes
+AXES_SLOTS = 6  # a RowAxes parameter (kernels/norm_traits.cuh): three i64 strides, two u32 sizes, their dividers
 _F32 = struct.Struct("<f")
 _U32 = struct.Struct("<I")
 _F64 = struct.Struct("<d")
 _U64 = struct.Struct("<Q")
+
+
+def divider(d: int) -> tuple:
+    """(magic, shift) with n // d == (umulhi(n, magic) + n) >> shift for every n < 2^31 (1 <= d < 2^31): the
+    kernels' `divide`, a row's three-axis indices without a division instruction."""
+    if not 1 <= d < 2**31:
+        raise ValueError(f"divider: {d} is outside [1, 2^31)")
+    shift = (d - 1).bit_length()  # the least s with 2^s >= d
+    return ((1 << 32) * ((1 << shift) - d)) // d + 1, shift
 
 
 def f32_bits(value: float) -> int:
@@ -48,7 +57,7 @@ class Launch:
     ("i64" | "i32" | "u32", int, or the name of a per-call integer),
     ("f32" | "f64", float, or the name of a per-call scalar: its bits,
     `f32_bits` / `f64_bits`), ("axes", (s0, s1,
-    s2, d1, d2)) (a RowAxes struct, AXES_SLOTS slots). Each parameter has
+    s2, d1, d2)) (a RowAxes struct, AXES_SLOTS slots, with the dividers of d1 and d2). Each parameter has
     slots of 8 bytes of its own. `bind` turns names into positions and lays
     the slots out: the per-call ones first, in one run, then the constants
     (written once; cuLaunchKernel finds each parameter through its own
@@ -85,8 +94,9 @@ class Launch:
             if isinstance(value, str):  # a pointer or a per-call scalar: written by each call (or 0)
                 continue
             if kind == "axes":
+                (m1, sh1), (m2, sh2) = divider(value[3]), divider(value[4])
                 packed.view(np.int64)[i:i + 3] = value[:3]
-                packed.view(np.uint32)[2 * (i + 3):2 * (i + 4)] = value[3:]
+                packed.view(np.uint32)[2 * (i + 3):2 * (i + 6)] = (*value[3:], m1, m2, sh1, sh2)
             elif kind == "i64":
                 packed.view(np.int64)[i] = value
             elif kind in ("i32", "u32"):

@@ -96,7 +96,7 @@ def three_axis_rows(arrays: dict, n: int, outputs: set = frozenset()) -> dict | 
         return None
     found = common_axes(shape[:-1], *elem)
     rows = math.prod(shape[:-1])
-    if found is None or rows >= 2**32 or any(s < 0 for st in found[1] for s in st):
+    if found is None or rows >= 2**31 or any(s < 0 for st in found[1] for s in st):
         return None
     sizes, strides = found
     for (name, a), st in zip(arrays.items(), strides):

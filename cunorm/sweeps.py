@@ -77,6 +77,7 @@ class Case:
     x1_dtype: str | None = None  # the parallel branch x1 (forward), or x1's gradient asked for (backward)
     weight1_dtype: str | None = None  # a second weight: the second output y1 (and its gradients)
     bias1_dtype: str | None = None  # a second bias beside it
+    knobs: tuple | None = None  # ((knob, value), ...) passed as traits= (None: dispatch's choice)
 
     def label(self) -> str:
         if self.op == "attention_delta":
@@ -101,7 +102,8 @@ class Case:
                   (f"rowscale={self.rowscale_dtype}", self.rowscale_dtype is not None),
                   (f"x1={self.x1_dtype}", self.x1_dtype is not None),
                   (f"weight1={self.weight1_dtype}", self.weight1_dtype is not None),
-                  (f"bias1={self.bias1_dtype}", self.bias1_dtype is not None)]
+                  (f"bias1={self.bias1_dtype}", self.bias1_dtype is not None),
+                  ("traits=" + ",".join(f"{k}={v}" for k, v in self.knobs or ()), self.knobs is not None)]
         flags = "".join(f" {text}" for text, on in extras if on)
         return f"{self.op} N={self.hidden_size} M={self.rows} x={self.dtype} w={self.weight_dtype}{flags}"
 
@@ -206,7 +208,35 @@ def flag_cases(sizes=None, rows=(37,), dtypes_=dtypes.NAMES) -> list:
             cases += from_output_cases(op)
         else:
             cases += fp8_cases(op)
-        cases += branch_cases(op, rows) + parallel_cases(op, rows)
+        cases += branch_cases(op, rows) + parallel_cases(op, rows) + short_row_cases(op)
+    return cases
+
+
+def short_row_cases(op: str) -> list:
+    """Several rows a warp (lanes_per_row 4, 8, 16), forced: q/k views with weights per head, contiguous rows
+    with a residual, RMSNorm's bias, fp8 outputs scaled per row and per 128 columns, fp32/fp16/bf16/fp64 x,
+    row counts that fill no whole CTA; and the widths and dtypes each lane count serves."""
+    rms = op.startswith("rms")
+    fwd = not op.endswith("_backward")
+    cases = []
+    for lanes in (4, 8, 16):
+        def case(n, rows, dt, wdt, **kw):
+            knobs = (("lanes_per_row", lanes), ("warps_m", kw.pop("warps_m", 4)), ("stages", kw.pop("stages", 3)))
+            return Case(op, n, rows, dt, wdt, knobs=knobs, **kw)
+
+        cases += [case(128, 2 * 37 * 8, "bfloat16", "bfloat16", has_bias=not rms, heads=8, layout="qkv",
+                       per_head=True, zero_centered=rms),
+                  case(64, 1001, "float32", "bfloat16", has_bias=not rms, residual_dtype="float16",
+                       **({} if fwd else {"dy_layout": "stride:+64"})),
+                  case(32 * lanes, 333, "float16", "float32", has_bias=True, bias_dtype="bfloat16",
+                       layout="offset:8", warps_m=2, stages=2),
+                  case(32, 77, "float64", "float64", has_bias=not rms, out_dtype="float32", stages=1)]
+        if fwd:
+            cases.append(case(256, 200, "bfloat16", "bfloat16", has_bias=not rms, out_dtype="float8_e4m3fn",
+                              residual_dtype="bfloat16", scaling="row", return_amax=True))
+            if lanes == 16:  # a 128-column group spans 16 lanes of 8 elements
+                cases.append(case(128, 200, "bfloat16", "bfloat16", has_bias=not rms, out_dtype="float8_e5m2",
+                                  scaling="group", heads=4, layout="qkv"))
     return cases
 
 

@@ -1,7 +1,9 @@
 """How cunorm's tools take a time: CUDA events around back-to-back calls
-(median_ms), CUDA-graph replay (graph_ms), the host's per-call cost
-(per_call_us), the same-run copy every bandwidth is a fraction of
-(copy_bandwidth), and the progress bar their sweeps show (progress)."""
+(median_ms: what a caller sees, the host's cost included where it exceeds the
+kernels'), events around a queue of calls held back by a spinning kernel
+(kernel_ms: the kernels alone), CUDA-graph replay (graph_ms), the host's
+per-call cost (per_call_us), the same-run copy every bandwidth is a fraction
+of (copy_bandwidth), and the progress bar their sweeps show (progress)."""
 from __future__ import annotations
 
 import contextlib
@@ -54,6 +56,65 @@ def median_ms(fn, repeat: int = 50, warmup: int = 5, batch: int = 10) -> float:
         for _ in range(batch):
             fn()
         stop.record()
+        stop.synchronize()
+        times.append(cupy.cuda.get_elapsed_time(start, stop) / batch)
+    return float(np.median(times))
+
+
+_SPIN_SOURCE = r"""
+extern "C" __global__ void cunorm_spin(long long cycles) {
+  const long long start = clock64();
+  while (clock64() - start < cycles) {
+  }
+}
+"""
+_spin_kernels: dict = {}  # device -> the loaded spin kernel
+
+
+def _spin(ms: float):
+    """Queues one thread spinning for about `ms` milliseconds on the current stream."""
+    import cupy
+
+    dev = cupy.cuda.Device()
+    kernel = _spin_kernels.get(dev.id)
+    if kernel is None:
+        kernel = _spin_kernels[dev.id] = cupy.RawKernel(_SPIN_SOURCE, "cunorm_spin")
+    kernel((1,), (1,), (np.int64(ms * dev.attributes["ClockRate"]),))  # ClockRate: kHz
+
+
+def kernel_ms(fn, repeat: int = 50, warmup: int = 5, batch: int = 10) -> float:
+    """Milliseconds per call of the kernels alone: the median over `repeat`
+    batches of the mean of `batch` back-to-back calls, timed with CUDA events
+    around calls queued while a spinning kernel holds the stream, so that the
+    GPU runs them back to back however long the host takes to issue them. A
+    batch whose start event had passed before the last call was queued (the
+    spin too short) is timed again with a longer spin."""
+    import time
+
+    import cupy
+
+    for _ in range(warmup):
+        fn()
+    cupy.cuda.get_current_stream().synchronize()
+    t = time.perf_counter()
+    for _ in range(batch):
+        fn()
+    hold = 2e3 * (time.perf_counter() - t) + 0.5  # ms: twice the host's time for a batch
+    times = []
+    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+    while len(times) < repeat:
+        cupy.cuda.get_current_stream().synchronize()
+        _spin(hold)
+        start.record()
+        for _ in range(batch):
+            fn()
+        stop.record()
+        if start.done:  # the GPU caught up with the host: not the kernels' time
+            stop.synchronize()
+            hold *= 2
+            if hold > 1e4:
+                raise RuntimeError("kernel_ms: the host issues calls more slowly than a 10 s spin")
+            continue
         stop.synchronize()
         times.append(cupy.cuda.get_elapsed_time(start, stop) / batch)
     return float(np.median(times))

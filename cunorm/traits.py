@@ -27,10 +27,11 @@ CLUSTER_MIN_ARCH = 90
 MIN_ARCH = 80  # cp.async and the bf16/f16x2 conversion instructions
 # The independent knobs: launch shape and research levers (what tuning varies and `traits=` may force).
 KNOBS = ("warps_m", "warps_n", "ctas_per_row", "bytes_per_ldg", "stages", "cache_weights", "min_ctas_per_sm",
-         "smem_accumulators", "recompute")
+         "smem_accumulators", "recompute", "lanes_per_row")
 # What a knob left out takes when others are given (`traits=` mappings, the tuner).
 KNOB_DEFAULTS = dict(warps_m=1, warps_n=1, ctas_per_row=1, bytes_per_ldg=16, stages=2, cache_weights=True,
-                     min_ctas_per_sm=1, smem_accumulators=False, recompute=True)
+                     min_ctas_per_sm=1, smem_accumulators=False, recompute=True, lanes_per_row=THREADS_PER_WARP)
+LANES_PER_ROW = (4, 8, 16, 32)  # lanes of a warp sharing a row: below 32, a warp holds several (short) rows
 # The backward's finalize kernel: warps per CTA (each sums a slice of the partial
 # rows) and columns per CTA (32 lanes x 4 neighbours, or 1 when N % 4 != 0).
 FINALIZE_WARPS = 16
@@ -51,7 +52,8 @@ class Traits:
     (and dbeta); output_dtype: y (and dy); residual_dtype: the residual
     (forward) or dresidual (backward); residual_out_dtype: x + residual as
     stored (forward). Names as in `cunorm.dtypes.NAMES`.
-    warps_m: rows per CTA (one warp-row each); warps_n: warps across a row;
+    warps_m: warp rows per CTA (each holds 32 / lanes_per_row rows); warps_n:
+      warps across a row;
     ctas_per_row: CTAs sharing a row (a thread-block cluster, sm_90+);
     bytes_per_ldg: bytes one thread moves per vector load of x.
     stages: rows in flight per thread, the current one included; >= 2 stages the
@@ -64,6 +66,9 @@ class Traits:
       memory instead of registers (frees two registers per element).
     recompute: (backward) recompute xhat and dy * gamma after the row reduction
       (fewer registers) instead of holding them (fewer instructions).
+    lanes_per_row: lanes of a warp sharing a row: 32, or 16, 8 or 4 to put
+      several rows in each warp (short rows, e.g. q/k heads of 64-256: the
+      reductions run over the row's lanes only; warps_n = ctas_per_row = 1).
     has_weight / has_bias: whether gamma / beta are present.
     rms: RMSNorm (no mean) rather than LayerNorm; with has_bias, y = xhat * w + b.
     has_residual: forward: x + residual is normalized and stored; backward:
@@ -126,6 +131,7 @@ class Traits:
     min_ctas_per_sm: int | None = None
     smem_accumulators: bool | None = None
     recompute: bool | None = None
+    lanes_per_row: int | None = None
     has_weight: bool = True
     has_bias: bool = True
     rms: bool = False
@@ -201,15 +207,19 @@ class Traits:
 
     @property
     def threads_per_row(self) -> int:
-        return self.warps_n * THREADS_PER_WARP
+        return self.warps_n * self.lanes_per_row
+
+    @property
+    def rows_per_warp(self) -> int:
+        return THREADS_PER_WARP // self.lanes_per_row
 
     @property
     def rows_per_cta(self) -> int:
-        return self.warps_m
+        return self.warps_m * self.rows_per_warp
 
     @property
     def threads_per_cta(self) -> int:
-        return self.warps_m * self.threads_per_row
+        return self.warps_m * self.warps_n * THREADS_PER_WARP
 
     @property
     def elts_per_ldg(self) -> int:
@@ -279,19 +289,19 @@ class Traits:
 
     @property
     def stage_slots(self) -> int:
-        return self.warps_m * self.ldgs * self.threads_per_row
+        return self.rows_per_cta * self.ldgs * self.threads_per_row
 
     @property
     def smem_bytes(self) -> int:
-        """Dynamic shared memory: staged rows ([STAGES][WARPS_M][LDGS][THREADS_PER_ROW]
+        """Dynamic shared memory: staged rows ([STAGES][ROWS_PER_CTA][LDGS][THREADS_PER_ROW]
         vectors of every staged row tensor), weights kept in shared-memory slots
-        ([WARPS_M][LDGS][THREADS_PER_ROW] vectors), and, in the backward, the
-        column-sum slots (2 x [WARPS_M][LDGS][THREADS_PER_ROW] compute_t vectors) when
-        the sums live there or WARPS_M rows must be folded (4 x with a second weight)."""
+        ([ROWS_PER_CTA][LDGS][THREADS_PER_ROW] vectors), and, in the backward, the
+        column-sum slots (2 x [ROWS_PER_CTA][LDGS][THREADS_PER_ROW] compute_t vectors) when
+        the sums live there or ROWS_PER_CTA rows must be folded (4 x with a second weight)."""
         staged = sum(self._pipe_bytes(d) for d in self.staged_dtypes)
         second = [self.weight1_dtype] if self.parallel else []  # the second weight (and bias), after the first
         if self.backward:
-            folds = self.smem_accumulators or self.warps_m > 1
+            folds = self.smem_accumulators or self.rows_per_cta > 1
             sums = (self.column_sums * self.stage_slots * self.elts_per_ldg * dtypes.itemsize(self.compute_dtype)
                     if folds else 0)
             weights = self._weight_slot_bytes(self.weight_dtype) if self.has_weight else 0
@@ -345,6 +355,11 @@ class Traits:
              f"load ({self.elts_per_ldg})")
         rule(self.ctas_per_row in (1, 2, 4, 8), "CTAS_PER_ROW must be 1, 2, 4 or 8 (a portable cluster)")
         rule(self.ctas_per_row == 1 or self.warps_m == 1, "several CTAs per row need WARPS_M == 1")
+        rule(self.lanes_per_row in LANES_PER_ROW, "LANES_PER_ROW must be 4, 8, 16 or 32")
+        rule(self.lanes_per_row == THREADS_PER_WARP or (self.warps_n == 1 and self.ctas_per_row == 1),
+             "several rows a warp (LANES_PER_ROW < 32) need WARPS_N == 1 and CTAS_PER_ROW == 1")
+        rule(self.lanes_per_row == THREADS_PER_WARP or self.aligned_rows,
+             "several rows a warp (LANES_PER_ROW < 32) need aligned rows")
         rule(self.elts_per_thread <= self.max_elts_per_thread,
              f"{self.elts_per_thread} elements per thread exceed the register budget of {self.max_elts_per_thread}")
         rule(1 <= self.stages <= 8, "STAGES must be 1..8")
@@ -374,8 +389,10 @@ class Traits:
         rule(not self.amax or fp8, "amax is kept for fp8 outputs only")
         rule(not fp8 or self.compute_dtype == "float32", "fp8 outputs are of fp32, fp16 or bf16 x")
         rule(self.quant != "group" or (self.aligned_rows and self.hidden_size % QUANT_GROUP_COLS == 0
-                                       and 4 <= self.elts_per_ldg and QUANT_GROUP_COLS % self.elts_per_ldg == 0),
-             "128-column scaling needs aligned rows, N a multiple of 128 and loads of >= 4 elements")
+                                       and 4 <= self.elts_per_ldg and QUANT_GROUP_COLS % self.elts_per_ldg == 0
+                                       and QUANT_GROUP_COLS // self.elts_per_ldg <= self.lanes_per_row),
+             "128-column scaling needs aligned rows, N a multiple of 128, loads of >= 4 elements and a group's "
+             "lanes within a row's")
         rule(not self.zero_centered or self.has_weight, "a zero-centered weight needs a weight")
         rule(1 <= self.min_ctas_per_sm and self.min_ctas_per_sm * self.threads_per_cta <= 2048,
              "MIN_CTAS_PER_SM must be >= 1 and fit 2048 threads per SM")
@@ -427,7 +444,8 @@ class Traits:
                 f"WARPS_M={self.warps_m} WARPS_N={self.warps_n} CTAS_PER_ROW={self.ctas_per_row} "
                 f"BYTES_PER_LDG={self.bytes_per_ldg} STAGES={self.stages} CACHE_WEIGHTS={int(self.cache_weights)} "
                 f"MIN_CTAS_PER_SM={self.min_ctas_per_sm}" + (" SMEM_ACCUMULATORS=1" if self.smem_accumulators else "")
-                + ("" if self.recompute else " RECOMPUTE=0"))
+                + ("" if self.recompute else " RECOMPUTE=0")
+                + ("" if self.lanes_per_row == THREADS_PER_WARP else f" LANES_PER_ROW={self.lanes_per_row}"))
 
     def knobs(self) -> dict:
         return {k: getattr(self, k) for k in KNOBS}
@@ -451,6 +469,7 @@ class Traits:
             "HIDDEN_SIZE": self.hidden_size,
             "WARPS_M": self.warps_m,
             "WARPS_N": self.warps_n,
+            "LANES_PER_ROW": self.lanes_per_row,
             "CTAS_PER_ROW": self.ctas_per_row,
             "BYTES_PER_LDG": self.bytes_per_ldg,
             "HAS_WEIGHT": "true" if self.has_weight else "false",

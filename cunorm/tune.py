@@ -33,7 +33,8 @@ from . import dtypes, tables
 from .check import SHORT_NAMES
 from .traits import Traits
 
-SHAPES = dict(ctas_per_row=(1, 2, 4, 8), warps_n=(1, 2, 4, 8, 16, 32), warps_m=(1, 2, 4, 8), bytes_per_ldg=(16, 8))
+SHAPES = dict(ctas_per_row=(1, 2, 4, 8), warps_n=(1, 2, 4, 8, 16, 32), warps_m=(1, 2, 4, 8), bytes_per_ldg=(16, 8),
+              lanes_per_row=(32, 16, 8, 4))
 EXTRAS = dict(stages=(1, 2, 3, 4), min_ctas_per_sm=(1, 2), cache_weights=(True, False),
               smem_accumulators=(False, True), recompute=(True, False))
 SIZES = (1024, 4096, 8192, 16384)  # what `cunorm tune` tunes by default
@@ -136,11 +137,12 @@ def candidates(hidden_size: int, dtype: str, backward: bool, arch: int = 90, rms
     job = Job.of(hidden_size, dtype, backward, rms, residual)
     call = job.call_fields()
     out = []
-    for ctas, wn, wm, bpl in itertools.product(SHAPES["ctas_per_row"], warps_n or SHAPES["warps_n"],
-                                               SHAPES["warps_m"], SHAPES["bytes_per_ldg"]):
-        if ctas > 1 and wm > 1:
+    for ctas, wn, wm, bpl, lanes in itertools.product(SHAPES["ctas_per_row"], warps_n or SHAPES["warps_n"],
+                                                      SHAPES["warps_m"], SHAPES["bytes_per_ldg"],
+                                                      SHAPES["lanes_per_row"]):
+        if (ctas > 1 and wm > 1) or (lanes < 32 and (ctas > 1 or wn > 1)):  # several rows a warp: one warp wide
             continue
-        t = _legal(call, arch, ctas_per_row=ctas, warps_n=wn, warps_m=wm, bytes_per_ldg=bpl)
+        t = _legal(call, arch, ctas_per_row=ctas, warps_n=wn, warps_m=wm, bytes_per_ldg=bpl, lanes_per_row=lanes)
         # A general key serves calls dispatch runs on the general kernel: a load width dividing N runs the
         # aligned one, whose knobs dispatch would not take for them.
         if t is not None and not (job.key.general and t.aligned_rows):

@@ -266,18 +266,21 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
 
-__device__ __forceinline__ float warp_max(float v) {  // every lane gets the same bits (max is exact)
+// Reductions over each aligned group of LANES lanes of a warp (32: the whole warp); every lane of the warp
+// takes part. max is exact: every lane gets the same bits.
+template <int LANES = 32>
+__device__ __forceinline__ float warp_max(float v) {
 #pragma unroll
-  for (int offset = 16; offset > 0; offset >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, offset));
+  for (int offset = LANES / 2; offset > 0; offset >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, offset));
   return v;
 }
 
-template <typename F>
+template <int LANES = 32, typename F>
 __device__ __forceinline__ F warp_sum(F v) {
   // A butterfly leaves the same bits in every lane: each step adds the same
   // two numbers on both partners, and floating-point addition is commutative.
 #pragma unroll
-  for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
+  for (int offset = LANES / 2; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
   return v;
 }
 

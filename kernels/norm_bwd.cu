@@ -53,11 +53,12 @@ static_assert(!HAS_BIAS1 || PARALLEL, "dbeta1 needs gamma1");
 static_assert(!PARALLEL || !PER_HEAD, "gamma1: not with per-head weights");
 static_assert(!DX1 || DROPOUT, "dx1 is written under dropout only");
 using AccVec = Vec<compute_t, ELTS_PER_LDG>;
-// Column-sum slots of a CTA in shared memory: [COLUMN_SUMS (dgamma, dbeta[, dgamma1, dbeta1])][WARPS_M][LDGS]
-// [THREADS_PER_ROW] vectors. Used by the accumulators themselves, or (in registers) to fold WARPS_M rows into one.
+// Column-sum slots of a CTA in shared memory: [COLUMN_SUMS (dgamma, dbeta[, dgamma1, dbeta1])][ROWS_PER_CTA]
+// [LDGS][THREADS_PER_ROW] vectors. Used by the accumulators themselves, or (in registers) to fold ROWS_PER_CTA
+// rows into one.
 constexpr int COLUMN_SUMS = PARALLEL ? 4 : 2;
-constexpr int ACC_SLOTS = WARPS_M * LDGS * THREADS_PER_ROW;
-constexpr int ACC_BYTES = (SMEM_ACCUMULATORS || WARPS_M > 1) ? COLUMN_SUMS * ACC_SLOTS * int(sizeof(AccVec)) : 0;
+constexpr int ACC_SLOTS = ROWS_PER_CTA * LDGS * THREADS_PER_ROW;
+constexpr int ACC_BYTES = (SMEM_ACCUMULATORS || ROWS_PER_CTA > 1) ? COLUMN_SUMS * ACC_SLOTS * int(sizeof(AccVec)) : 0;
 // Dynamic shared memory: [column-sum slots][staged x][staged dy][staged dresidual][gamma slots][beta slots]
 // [staged dy1][gamma1 slots].
 constexpr int SMEM_BYTES = ACC_BYTES + RowPipe<input_t>::BYTES + RowPipe<output_t>::BYTES +
@@ -74,7 +75,7 @@ struct ColumnSums {
   AccVec* slots;  // this thread's first slot in shared memory (stride THREADS_PER_ROW)
 
   __device__ __forceinline__ ColumnSums(AccVec* smem, const Coords& at)
-      : slots(smem + (at.warp_m * LDGS) * THREADS_PER_ROW + at.warp_n * THREADS_PER_WARP + at.lane) {
+      : slots(smem + (at.warp_m * LDGS) * THREADS_PER_ROW + at.warp_n * LANES_PER_ROW + at.lane) {
 #pragma unroll
     for (int it = 0; it < LDGS; ++it) {
       AccVec z;
@@ -97,7 +98,7 @@ struct ColumnSums {
       for (int it = 0; it < LDGS; ++it) slots[it * THREADS_PER_ROW] = reg[it];
     }
   }
-  // This thread's sums straight to the partial row (WARPS_M == 1, in registers).
+  // This thread's sums straight to the partial row (ROWS_PER_CTA == 1, in registers).
   __device__ __forceinline__ void store(compute_t* part, const Coords& at) const {
 #pragma unroll
     for (int it = 0; it < LDGS; ++it) {
@@ -113,21 +114,21 @@ struct ColumnSums {
   }
 };
 
-// Writes a quantity's slots to the partial row, summing the WARPS_M rows of a
-// CTA in warp order. A loop over slots, not unrolled over load steps: the
+// Writes a quantity's slots to the partial row, summing the ROWS_PER_CTA rows
+// of a CTA in row order. A loop over slots, not unrolled over load steps: the
 // slots are in shared memory, and hoisted loads would spill. Aligned rows
-// share one frame: whole vectors. Shifted rows put column j of warp row m at
+// share one frame: whole vectors. Shifted rows put column j of CTA row m at
 // element j + shift_m of the frame: element by element; with one row a CTA
 // (a cluster's CTAs) only this CTA's slots, otherwise every column.
 __device__ __forceinline__ void fold_slots(const AccVec* slots, compute_t* part, const Coords& at, const void* x,
                                            row_stride_t ldx) {
-  if constexpr (ALIGNED_ROWS || WARPS_M == 1) {
+  if constexpr (ALIGNED_ROWS || ROWS_PER_CTA == 1) {
     for (int s = threadIdx.x; s < LDGS * THREADS_PER_ROW; s += THREADS_PER_CTA) {
       const int vec = at.cta_rank * THREADS_PER_ROW + s % THREADS_PER_ROW + s / THREADS_PER_ROW * VEC_COLS_PER_LDG;
       if (vec * ELTS_PER_LDG >= at.shift + COLS) continue;
       AccVec sum = slots[s];
 #pragma unroll
-      for (int m = 1; m < WARPS_M; ++m) {
+      for (int m = 1; m < ROWS_PER_CTA; ++m) {
         const AccVec v = slots[m * LDGS * THREADS_PER_ROW + s];
 #pragma unroll
         for (int e = 0; e < ELTS_PER_LDG; ++e) sum.add(e, v.get(e));
@@ -147,7 +148,7 @@ __device__ __forceinline__ void fold_slots(const AccVec* slots, compute_t* part,
     for (int j = threadIdx.x; j < COLS; j += THREADS_PER_CTA) {
       compute_t sum = 0;
 #pragma unroll
-      for (int m = 0; m < WARPS_M; ++m) {
+      for (int m = 0; m < ROWS_PER_CTA; ++m) {
         const int u = j + Coords::shift_of(x, ldx, at.group * ROWS_PER_CTA + m);
         const int vec = u / ELTS_PER_LDG;
         const int slot = (m * LDGS + vec / VEC_COLS_PER_LDG) * THREADS_PER_ROW + vec % VEC_COLS_PER_LDG;
@@ -428,9 +429,9 @@ norm_bwd(const output_t* dy, const input_t* x, const residual_t* dresidual,
 
   static_assert(!PARALLEL || !PER_HEAD, "");
   if constexpr (PER_HEAD && (HAS_WEIGHT || HAS_BIAS)) {
-    // A partial row per warp row, unfolded: the host sizes the grid so that each warp row's rows share a
+    // A partial row per CTA row, unfolded: the host sizes the grid so that each CTA row's rows share a
     // head (the grid's row stride is a multiple of heads), and the finalize sums each head's partial rows.
-    const long long part = at.group * WARPS_M + at.warp_m;
+    const long long part = at.group * ROWS_PER_CTA + at.warp_m;
     if (HAS_WEIGHT) dgamma_acc.store(dgamma_part + part * COLS, at);
     if (HAS_BIAS) dbeta_acc.store(dbeta_part + part * COLS, at);
   } else if constexpr (HAS_WEIGHT || HAS_BIAS) {
@@ -438,7 +439,7 @@ norm_bwd(const output_t* dy, const input_t* x, const residual_t* dresidual,
     compute_t* bpart = dbeta_part + at.group * COLS;
     compute_t* g1part = dgamma1_part + at.group * COLS;  // PARALLEL
     compute_t* b1part = dbeta1_part + at.group * COLS;
-    if constexpr (WARPS_M == 1 && !SMEM_ACCUMULATORS) {
+    if constexpr (ROWS_PER_CTA == 1 && !SMEM_ACCUMULATORS) {
       if (HAS_WEIGHT) dgamma_acc.store(gpart, at);
       if (HAS_BIAS) dbeta_acc.store(bpart, at);
       if (PARALLEL) dgamma1_acc.store(g1part, at);

@@ -44,10 +44,15 @@ constexpr bool PER_HEAD = CN_PER_HEAD;
 #define CN_ROW_AXES ${ROW_AXES}
 constexpr int ROW_AXES = CN_ROW_AXES;
 
+// Lanes of a warp sharing a row: 32, or fewer for short rows (several rows a warp, each reduced over its
+// own lanes; WARPS_N == CTAS_PER_ROW == 1).
+constexpr int LANES_PER_ROW = ${LANES_PER_ROW};
+
 constexpr int THREADS_PER_WARP = 32;
-constexpr int THREADS_PER_ROW = WARPS_N * THREADS_PER_WARP;
-constexpr int ROWS_PER_CTA = WARPS_M;
-constexpr int THREADS_PER_CTA = WARPS_M * THREADS_PER_ROW;
+constexpr int ROWS_PER_WARP = THREADS_PER_WARP / LANES_PER_ROW;
+constexpr int THREADS_PER_ROW = WARPS_N * LANES_PER_ROW;
+constexpr int ROWS_PER_CTA = WARPS_M * ROWS_PER_WARP;
+constexpr int THREADS_PER_CTA = WARPS_M * WARPS_N * THREADS_PER_WARP;
 constexpr int ELTS_PER_LDG = BYTES_PER_LDG / int(sizeof(input_t));
 // Vectors a row touches: COLS / E when aligned; up to one more when shifted.
 constexpr int VEC_COLS = ALIGNED_ROWS ? COLS / ELTS_PER_LDG : (COLS + 2 * ELTS_PER_LDG - 2) / ELTS_PER_LDG;
@@ -71,6 +76,11 @@ static_assert(CTAS_PER_ROW == 1 || WARPS_M == 1, "several CTAs per row need WARP
 static_assert(STAGES >= 1 && STAGES <= 8, "STAGES must be 1..8");
 static_assert(MIN_CTAS_PER_SM >= 1 && MIN_CTAS_PER_SM * THREADS_PER_CTA <= 2048,
               "MIN_CTAS_PER_SM must be >= 1 and fit 2048 threads per SM");
+static_assert(LANES_PER_ROW == 4 || LANES_PER_ROW == 8 || LANES_PER_ROW == 16 || LANES_PER_ROW == 32,
+              "LANES_PER_ROW must be 4, 8, 16 or 32");
+static_assert(LANES_PER_ROW == THREADS_PER_WARP || (WARPS_N == 1 && CTAS_PER_ROW == 1),
+              "several rows a warp (LANES_PER_ROW < 32) need WARPS_N == 1 and CTAS_PER_ROW == 1");
+static_assert(LANES_PER_ROW == THREADS_PER_WARP || ALIGNED_ROWS, "several rows a warp (LANES_PER_ROW < 32) need aligned rows");
 static_assert(ROW_AXES == 1 || ROW_AXES == 3, "ROW_AXES must be 1 or 3");
 static_assert(!PER_HEAD || !CACHE_WEIGHTS, "per-head weights are read per row, not held");
 static_assert(ROW_AXES == 1 || ALIGNED_ROWS, "rows through three leading axes must be aligned rows");
@@ -78,10 +88,17 @@ static_assert(!ZERO_CENTERED || HAS_WEIGHT, "a zero-centered weight needs a weig
 
 // The rows of one row tensor with ROW_AXES == 3: row r = (i0, i1, i2) in C
 // order over leading sizes (d0, d1, d2) starts at i0 * s0 + i1 * s1 + i2 * s2.
+// The host adds each size's divider (`cunorm.launch.divider`): a row's
+// indices then cost two multiply-highs instead of two 32-bit divisions.
 struct RowAxes {
   long long s0, s1, s2;
   unsigned d1, d2;
+  unsigned magic1, magic2, shift1, shift2;
 };
+// n / d for n < 2^31, from d's divider (magic, shift).
+__device__ __forceinline__ unsigned divide(unsigned n, unsigned magic, unsigned shift) {
+  return (__umulhi(n, magic) + n) >> shift;
+}
 template <int AXES> struct RowStrideOf { using type = long long; };
 template <> struct RowStrideOf<3> { using type = RowAxes; };
 using row_stride_t = typename RowStrideOf<CN_ROW_AXES>::type;  // a row tensor's kernel parameter
@@ -89,9 +106,10 @@ using row_stride_t = typename RowStrideOf<CN_ROW_AXES>::type;  // a row tensor's
 // Elements from a row tensor's start to row `row`.
 __device__ __forceinline__ long long row_offset(long long ld, long long row) { return row * ld; }
 __device__ __forceinline__ long long row_offset(const RowAxes& a, long long row) {
-  const unsigned r = static_cast<unsigned>(row), q = r / a.d2;  // the host keeps rows below 2^32
-  return static_cast<long long>(q / a.d1) * a.s0 + static_cast<long long>(q % a.d1) * a.s1 +
-         static_cast<long long>(r % a.d2) * a.s2;
+  const unsigned r = static_cast<unsigned>(row);  // the host keeps rows below 2^31
+  const unsigned q = divide(r, a.magic2, a.shift2), i0 = divide(q, a.magic1, a.shift1);
+  return static_cast<long long>(i0) * a.s0 + static_cast<long long>(q - i0 * a.d1) * a.s1 +
+         static_cast<long long>(r - q * a.d2) * a.s2;
 }
 // Whether rows are at least one vector apart (only the general kernel, with one row stride, asks).
 __device__ __forceinline__ bool rows_a_vector_apart(long long ld) { return ld >= ELTS_PER_LDG; }
@@ -118,7 +136,9 @@ __device__ __forceinline__ constexpr bool may_be_partial(int it) {
 // thread walks has the same shift (see cunorm.layout), so the shift, the weight
 // columns and the column sums of a thread stay put.
 struct Coords {
-  int lane, warp_m, warp_n;
+  int lane;    // this thread's lane among the LANES_PER_ROW of its row in its warp
+  int warp_m;  // this thread's row of the CTA (ROWS_PER_WARP rows a warp row)
+  int warp_n;
   int cta_rank;            // rank of this CTA among the CTAS_PER_ROW sharing a row
   long long group;         // index of this CTA's row group (ROWS_PER_CTA rows)
   long long groups;        // row groups in the grid
@@ -131,14 +151,14 @@ struct Coords {
   bool edge;
 
   __device__ __forceinline__ Coords(const void* x, row_stride_t ldx) {
-    const int warp = threadIdx.x / THREADS_PER_WARP;
-    lane = threadIdx.x % THREADS_PER_WARP;
-    warp_m = warp / WARPS_N;
+    const int warp = threadIdx.x / THREADS_PER_WARP, warp_lane = threadIdx.x % THREADS_PER_WARP;
+    lane = warp_lane % LANES_PER_ROW;
+    warp_m = warp / WARPS_N * ROWS_PER_WARP + warp_lane / LANES_PER_ROW;
     warp_n = warp % WARPS_N;
     cta_rank = blockIdx.x % CTAS_PER_ROW;
     group = blockIdx.x / CTAS_PER_ROW;
     groups = gridDim.x / CTAS_PER_ROW;
-    col = cta_rank * THREADS_PER_ROW + warp_n * THREADS_PER_WARP + lane;
+    col = cta_rank * THREADS_PER_ROW + warp_n * LANES_PER_ROW + lane;
     shift = shift_of(x, ldx, group * ROWS_PER_CTA + warp_m);
     edge = false;
     if constexpr (!ALIGNED_ROWS) {
@@ -291,8 +311,8 @@ __device__ __forceinline__ void store_vec(const Vec<T, ELTS_PER_LDG>& v, T* f, i
 // Dynamic shared memory: staged rows (and the backward's column sums).
 #define CN_DYNAMIC_SMEM(name) extern __shared__ __align__(16) unsigned char name[]
 
-// Vector slots of one staged array in shared memory: [STAGES][WARPS_M][LDGS][THREADS_PER_ROW].
-constexpr int STAGE_SLOTS = WARPS_M * LDGS * THREADS_PER_ROW;
+// Vector slots of one staged array in shared memory: [STAGES][ROWS_PER_CTA][LDGS][THREADS_PER_ROW].
+constexpr int STAGE_SLOTS = ROWS_PER_CTA * LDGS * THREADS_PER_ROW;
 constexpr int PIPE_SLOTS = STAGES > 1 ? STAGES * STAGE_SLOTS : 0;
 
 // The rows of one row tensor a thread will read, STAGES - 1 rows ahead (none
@@ -316,7 +336,7 @@ struct RowPipe {
   __device__ __forceinline__ RowPipe(unsigned char* smem, const T* base_, row_stride_t ld_, long long rows_,
                                      const Coords& at)
       : base(base_), ld(ld_), rows(rows_),
-        slots(reinterpret_cast<V*>(smem) + at.warp_m * LDGS * THREADS_PER_ROW + at.warp_n * THREADS_PER_WARP +
+        slots(reinterpret_cast<V*>(smem) + at.warp_m * LDGS * THREADS_PER_ROW + at.warp_n * LANES_PER_ROW +
               at.lane) {}
 
   static constexpr int BYTES = ACTIVE ? PIPE_SLOTS * int(sizeof(V)) : 0;  // its shared memory
@@ -415,12 +435,12 @@ struct RowWeights {
   long long stride;
   long long heads, head_stride;  // PER_HEAD: [heads, N] weights, head_stride elements apart
   V held[HELD ? LDGS : 1];
-  V* slots;    // IN_SMEM: [WARPS_M][LDGS][THREADS_PER_ROW], this thread's first
+  V* slots;    // IN_SMEM: [ROWS_PER_CTA][LDGS][THREADS_PER_ROW], this thread's first
 
   __device__ __forceinline__ RowWeights(const T* p, long long stride_, unsigned char* smem, const Coords& at,
                                         long long heads_, long long head_stride_)
       : ptr(p), stride(stride_), heads(heads_), head_stride(head_stride_),
-        slots(reinterpret_cast<V*>(smem) + at.warp_m * LDGS * THREADS_PER_ROW + at.warp_n * THREADS_PER_WARP +
+        slots(reinterpret_cast<V*>(smem) + at.warp_m * LDGS * THREADS_PER_ROW + at.warp_n * LANES_PER_ROW +
               at.lane) {
     if constexpr (HELD) {
 #pragma unroll
@@ -455,8 +475,9 @@ struct RowWeights {
   }
 };
 
-// Sums K values over the threads of one row (all WARPS_N warps, and all
-// CTAS_PER_ROW CTAs of a cluster); every thread of the row gets the same bits.
+// Sums K values over the threads of one row (its LANES_PER_ROW lanes of all
+// WARPS_N warps, and all CTAS_PER_ROW CTAs of a cluster); every thread of the
+// row gets the same bits.
 // Partials are added in a fixed order, so results are reproducible run to run.
 // Two scratch buffers alternate: a buffer is rewritten only after a later
 // barrier that every reader of its previous contents has passed.
@@ -474,8 +495,8 @@ struct RowReducer {
     else return a + b;
   }
   static __device__ __forceinline__ compute_t combine_warp(compute_t v) {
-    if constexpr (MAX) return warp_max(v);
-    else return warp_sum(v);
+    if constexpr (MAX) return warp_max<LANES_PER_ROW>(v);
+    else return warp_sum<LANES_PER_ROW>(v);
   }
 
   __device__ __forceinline__ void allreduce(compute_t (&v)[K], const Coords& at) {

@@ -12,6 +12,7 @@ from cunorm.source import _read
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 BENCH_OPTIONS = ("--sizes", "--head-dims", "--dtype", "--weight-dtype", "--repeat", "--no-extras", "--host", "--graph",
+                 "--kernel-time",
                  "--source", "--traits", "--rounds", "--plot", "--from-json", "--json", "--output")
 
 
@@ -42,7 +43,8 @@ def test_traits_refuses_unknown_knobs_and_malformed_values(value, says, monkeypa
 @pytest.mark.parametrize("args", [["bench", "--host", "--graph"], ["bench", "--host", "--traits", "warps_n=4"],
                                   ["bench", "--graph", "--source", __file__], ["bench", "--from-json", __file__],
                                   ["bench", "--plot", "bandwidth.pdf"], ["bench", "--host", "--plot", "bandwidth.png"],
-                                  ["bench", "--sizes", "0"]])
+                                  ["bench", "--sizes", "0"], ["bench", "--kernel-time", "--host"],
+                                  ["bench", "--kernel-time", "--graph"]])
 def test_what_does_not_combine_or_parse_is_a_usage_error(args, monkeypatch):
     monkeypatch.setattr(cli, "gpu_count", lambda: 0)
     res = runner().invoke(cli.main, args)
@@ -235,3 +237,17 @@ def test_a_source_and_ops_of_the_other_direction_are_refused(tmp_path):
     path.write_text(_read("norm_fwd.cu"))
     res = runner().invoke(cli.main, ["bench", "--source", str(path), "--ops", "bwd,rms-bwd"])
     assert res.exit_code == 2 and "leaves nothing to time" in res.output
+
+
+def test_kernel_time_times_variants_and_the_sweep_with_the_kernel_timer(stand_in_gpu, monkeypatch):
+    """--kernel-time: compare() and the bandwidth sweep take kernel_ms (here a stand-in reporting a quarter of
+    the call's time), and say so in the header and the JSON."""
+    monkeypatch.setattr(bench, "kernel_ms", lambda fn, repeat: fn() / 4)
+    res = runner().invoke(cli.main, ["bench", "--kernel-time", "--traits", "warps_n=8", "--sizes", "1024",
+                                     "--rounds", "1", "--json"])
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.stdout)
+    assert out["timing"] == "kernel" and "kernel time" in res.stderr
+    assert out["rows"][0]["variants"]["tuned"]["us"] == pytest.approx(TUNED_MS * 1e3 / 4)
+    res = runner().invoke(cli.main, ["bench", "--traits", "warps_n=8", "--sizes", "1024", "--rounds", "1", "--json"])
+    assert json.loads(res.stdout)["timing"] == "api"

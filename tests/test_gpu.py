@@ -473,3 +473,25 @@ def test_branch_calls_are_cached_and_their_per_call_values_checked(rng):
     cunorm.layer_norm(x, rowscale=cupy.ones(64, np.float32), dropout_p=0.1, seed=3, out=out)
     with pytest.raises(ValueError, match="out: shares memory with rowscale"):
         cunorm.layer_norm(x, rowscale=buf[64:128], dropout_p=0.1, seed=3, out=out)
+
+
+def test_kernel_time_excludes_the_host():
+    """bench's --kernel-time timer: a call that spends 2 ms on the host before queuing a short kernel takes
+    >= 2 ms per call through the API (median_ms) and well under it as kernel time (kernel_ms): the calls run
+    back to back behind the spin."""
+    import time
+
+    import cupy
+
+    from cunorm import timing
+
+    a = cupy.ones(1 << 20, cupy.float32)
+
+    def call():
+        end = time.perf_counter() + 2e-3
+        while time.perf_counter() < end:
+            pass
+        a.__imul__(1.0)
+
+    assert timing.median_ms(call, repeat=3, warmup=1, batch=4) >= 1.9
+    assert timing.kernel_ms(call, repeat=3, warmup=1, batch=4) < 0.5

@@ -116,14 +116,40 @@ def test_scratch_arena_per_stream(monkeypatch):
     assert len(scratch._arenas) == 2 and scratch._graph_blocks == ["block4"]
 
 
-def test_a_row_axes_parameter_takes_four_slots(launched):
-    """("axes", (s0, s1, s2, d1, d2)): a RowAxes struct (three i64, two u32) in four slots; the next
-    parameter starts after it, and per-call slots after it are still written."""
+def test_a_row_axes_parameter_takes_six_slots(launched):
+    """("axes", (s0, s1, s2, d1, d2)): a RowAxes struct (three i64; two u32 sizes and their dividers, four
+    u32) in six slots; the next parameter starts after it, and per-call slots after it are still written."""
     k = launch.Launch(_kernel(), 1, [("ptr", "x"), ("axes", (3 * 8 * 128, 8 * 128, 128, 5, 8)), ("ptr", "y")])
     k.bind({"x": 0, "y": 1})
     k([10, 20], stream=0)
     s = np.frombuffer(k.slots, np.uint64)
-    assert len(s) == 6 and list(s[:2]) == [10, 20]  # the per-call slots, then the struct's four
-    assert list(s.view(np.int64)[2:5]) == [3 * 8 * 128, 8 * 128, 128] and list(s.view(np.uint32)[10:12]) == [5, 8]
+    assert len(s) == 8 and list(s[:2]) == [10, 20]  # the per-call slots, then the struct's six
+    assert list(s.view(np.int64)[2:5]) == [3 * 8 * 128, 8 * 128, 128]
+    assert list(s.view(np.uint32)[10:16]) == [5, 8, *launch.divider(5)[:1], *launch.divider(8)[:1],
+                                              launch.divider(5)[1], launch.divider(8)[1]]
     params = np.frombuffer(k._params, np.uint64)
     assert list(params - params[0]) == [0, 16, 8]
+
+
+def _umulhi_divide(n: int, d: int) -> int:
+    magic, shift = launch.divider(d)
+    return (((n * magic) >> 32) + n) >> shift  # the sum stays below 2^32 for n < 2^31
+
+
+def test_dividers_divide_every_row_index():
+    """The kernels' three-axis row indices: (umulhi(n, magic) + n) >> shift == n // d for every n < 2^31,
+    every d in [1, 2^31): exhaustive over small d and n, then edges and random draws."""
+    import random
+
+    rnd = random.Random(5)
+    for d in range(1, 600):
+        assert all(_umulhi_divide(n, d) == n // d for n in range(0, 3 * d + 5))
+    for d in [2**k + e for k in range(1, 31) for e in (-1, 0, 1) if 2**k + e < 2**31] + [
+            rnd.randrange(1, 2**31) for _ in range(2000)]:
+        for n in [d - 1, d, d + 1, 2**31 - 1, 2**31 - 2, (2**31 - 1) // d * d, (2**31 - 1) // d * d - 1] + [
+                rnd.randrange(2**31) for _ in range(50)]:
+            if 0 <= n < 2**31:
+                assert _umulhi_divide(n, d) == n // d, (n, d)
+    for bad in (0, 2**31):
+        with pytest.raises(ValueError, match="divider"):
+            launch.divider(bad)

@@ -28,6 +28,11 @@ def test_derived_quantities_match_the_kernel_formulas():
     (dict(warps_n=1, hidden_size=8192), "register budget"),
     (dict(compute_dtype="float16"), "compute_dtype"),
     (dict(min_ctas_per_sm=0), "MIN_CTAS_PER_SM"),
+    (dict(lanes_per_row=12), "LANES_PER_ROW must be 4, 8, 16 or 32"),
+    (dict(lanes_per_row=16), "need WARPS_N == 1 and CTAS_PER_ROW == 1"),
+    (dict(lanes_per_row=8, warps_n=1, hidden_size=64, aligned_rows=False), "need aligned rows"),
+    (dict(lanes_per_row=8, warps_n=1, hidden_size=128, output_dtype="float8_e4m3fn", quant="group"),
+     "a group's lanes within a row's"),
     (dict(smem_accumulators=True), "backward knob"),
     (dict(hidden_size=0), "positive"),
 ])
@@ -229,3 +234,33 @@ def test_one_launch_policy_and_its_capped_grid():
     per_head = t.replace(per_head=True, cache_weights=False, warps_m=2)
     groups = prepared(96, heads=12).grid_groups(kernel, per_head, most=5)
     assert groups % (12 // math.gcd(12, 2)) == 0 and groups == 6
+
+
+def test_several_rows_a_warp():
+    """lanes_per_row < 32: a warp holds 32 / lanes rows; threads and shared memory count warps, not rows."""
+    t = Traits(hidden_size=128, input_dtype="bfloat16", warps_m=4, lanes_per_row=8, stages=3)
+    assert (t.rows_per_warp, t.rows_per_cta, t.threads_per_row, t.threads_per_cta) == (4, 16, 8, 128)
+    assert t.ldgs == 2 and t.vec_cols_per_ldg == 8 and t.full_tiles
+    assert t.stage_slots == 16 * 2 * 8 and t.smem_bytes == 3 * t.stage_slots * 16
+    assert t.template_values()["LANES_PER_ROW"] == 8 and "LANES_PER_ROW=8" in t.short()
+    whole = t.replace(lanes_per_row=32)
+    assert "LANES_PER_ROW" not in whole.short() and whole.rows_per_cta == 4 and whole.threads_per_cta == 128
+    assert KNOBS[-1] == "lanes_per_row"  # the tuned literal's tuples name the knobs before it: they keep 32
+    assert dispatch.from_knobs(dict(zip(KNOBS, (4, 1, 1, 16, 2, 1, 1, 0))), hidden_size=1024,
+                               input_dtype="bfloat16").lanes_per_row == 32
+
+
+@pytest.mark.parametrize("backward", [False, True])
+def test_heuristic_shares_warps_between_short_rows(backward):
+    """Rows shorter than a warp's loads (q/k heads of 64-256) share a warp; rows of 1024 and more, general rows
+    and the tuned sizes keep whole warps; a CTA keeps at least 128 threads."""
+    for n in (64, 128, 256):
+        t = dispatch.heuristic(hidden_size=n, input_dtype="bfloat16", backward=backward, rms=True, row_axes=3,
+                               per_head=True, has_bias=False)
+        assert t.lanes_per_row < 32 and t.threads_per_cta >= 128 and t.elts_per_ldg * t.lanes_per_row <= n * 4
+    for n in (1024, 4096):
+        assert dispatch.heuristic(hidden_size=n, input_dtype="bfloat16", backward=backward).lanes_per_row == 32
+    assert dispatch.heuristic(hidden_size=100, input_dtype="bfloat16", aligned_rows=False,
+                              backward=backward).lanes_per_row == 32
+    for n in dispatch.TUNED_SIZES:
+        assert dispatch.choose(hidden_size=n, input_dtype="bfloat16", backward=backward)[0].lanes_per_row == 32

@@ -94,6 +94,8 @@ def _plot(results: dict, path: str, saved: str | None = None):
 @click.option("--no-extras", is_flag=True, help="Skip the strided-row and odd-size comparisons.")
 @click.option("--host", is_flag=True, help="Per-call host time of every op (CuPy arrays, torch tensors, torch's own "
               "op) at the host shapes, instead of bandwidth.")
+@click.option("--kernel-time", is_flag=True, help="Time the kernels alone (calls queued while a spinning kernel "
+              "holds the stream), not per call through the API: for the bandwidth sweep and --traits/--source.")
 @click.option("--graph", is_flag=True, help="Bandwidth through the API beside CUDA-graph replay (torch tensors), "
               "instead of the bandwidth table.")
 @click.option("--source", "source_file", type=click.Path(exists=True, dir_okay=False),
@@ -111,14 +113,16 @@ def _plot(results: dict, path: str, saved: str | None = None):
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON (the table goes to stderr).")
 @click.option("--output", type=click.Path(dir_okay=False), help="Also write the results as JSON to this file.")
 @click.pass_context
-def bench(ctx, sizes, head_dims, ops, dtype, weight_dtype, repeat, no_extras, host, graph, source_file, traits, rounds,
-          plot_file, from_json, as_json, output):
+def bench(ctx, sizes, head_dims, ops, dtype, weight_dtype, repeat, no_extras, host, kernel_time, graph, source_file,
+          traits, rounds, plot_file, from_json, as_json, output):
     """Bandwidth (fraction of a same-run copy) and per-call time; --source and --traits time kernel variants
     beside the shipped ones (exit 3: no GPU)."""
     from .. import bench as b
 
     if host and graph:
         raise click.UsageError("--host and --graph are separate modes: give one")
+    if kernel_time and (host or graph):
+        raise click.UsageError("--kernel-time times the bandwidth sweep and variants, not --host or --graph")
     if (source_file or traits) and (host or graph):
         raise click.UsageError("--source and --traits time variants in the bandwidth sweep, not with --host or --graph")
     if ops and (host or graph):
@@ -164,14 +168,14 @@ def bench(ctx, sizes, head_dims, ops, dtype, weight_dtype, repeat, no_extras, ho
     if source is not None or traits:
         results = b.compare(sizes, b.variants_of(source, traits), dtype, weight_dtype, rounds=rounds,
                             repeat=max(repeat // 2, 5), directions=directions or b.DIRECTIONS, out=out,
-                            **({"ops": ops} if ops else {}))
+                            timing="kernel" if kernel_time else "api", **({"ops": ops} if ops else {}))
     elif host:
         results = b.run_host(dtype=dtype, repeat=max(repeat // 3, 5), out=out)
     elif graph:
         results = b.run_graph(dtype=dtype, out=out)
     else:
         results = b.run(sizes, dtype, weight_dtype, repeat, out=out, head_dims=head_dims, extras=not no_extras,
-                        ops=ops or None)
+                        ops=ops or None, timing="kernel" if kernel_time else "api")
     if as_json:
         click.echo(json.dumps(results, indent=1))
     if output:

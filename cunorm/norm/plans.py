@@ -57,7 +57,7 @@ class Prepared:
         groups), each walking many rows; a multiple of the shift period
         (general kernel), so that every row of a thread sits at the same
         offset from a vector boundary, and (backward with weights per head) of
-        the heads, so that every row of a warp row has the same head."""
+        the heads, so that every row of a CTA row (warp_m) has the same head."""
         groups = -(-self.row_count // t.rows_per_cta)
         groups = min(groups, kernel.resident_clusters, most or groups)  # a group is one cluster (CTAS_PER_ROW CTAs)
         x = self.rows["x"]
@@ -379,7 +379,7 @@ def backward_plan(args: dict, base: dict, traits, rms: bool, source: str | None 
         if fused is not None:
             t, kernels = fused, fused_kernels
         k = kernels["norm_bwd"]
-        rows_per_part = t.rows_per_cta if t.per_head else 1  # partial rows: per warp row, or per CTA
+        rows_per_part = t.rows_per_cta if t.per_head else 1  # partial rows: per CTA row, or per CTA
         groups = p.grid_groups(k, t, max(1, FUSE_PART_ELEMENTS // (n * rows_per_part)) if fused else None)
         parts = groups * rows_per_part
         if sums:  # column sums, one [parts, N] compute_t block each for dgamma and dbeta (and the second's)

@@ -122,6 +122,14 @@ class Launch:
         _launch(self.function, self.grid, 1, 1, self.threads, 1, 1, self.smem, stream, self.params, 0)
 
 
+def _same_view(a, b) -> bool:
+    """Whether two arrays at one pointer are the same view: shape, strides and dtype (each kind's key part)."""
+    from .kinds import kind_of
+
+    ka, kb = kind_of(a), kind_of(b)
+    return ka is kb and ka is not None and ka.keypart(a)[0][:3] == kb.keypart(b)[0][:3]
+
+
 _launch_lock = threading.Lock()  # packed slots and arenas: filled and launched together (one lock: all threads)
 
 
@@ -173,14 +181,17 @@ class CallPlan:
     dtype) to convert while copying. zeros: outputs filled
     with 0 (column sums of no rows). given_out: (argument, output) when
     `out=` replaces that output; checked against the inputs' `spans`
-    (disjoint extents pass at once; anything else goes to
-    `full_overlap_check(objs)`, the first call's exact test, which raises).
+    (disjoint extents pass at once, and so does an input named in `aliases`
+    that is exactly out's view: same pointer, shape, strides and dtype, which
+    the exact test allows too; anything else goes to `full_overlap_check(objs)`,
+    the first call's exact test, which raises).
     scalars: names of per-call scalars (their bits). result(objs, outputs): the
     return value.
     """
 
     def __init__(self, kind, device_id: int, names: tuple, launches: tuple, *, anchor=None, outputs=(), scratch=(),
-                 copies=(), zeros=(), given_out=None, spans=None, full_overlap_check=None, scalars=(), result=None):
+                 copies=(), zeros=(), given_out=None, spans=None, full_overlap_check=None, aliases=(), scalars=(),
+                 result=None):
         self.kind, self.device_id, self.names, self.launches = kind, device_id, tuple(names), tuple(launches)
         self.outputs, self.scratch, self.zeros = tuple(outputs), tuple(scratch), tuple(zeros)
         self.given_out, self.full_overlap_check, self.result = given_out, full_overlap_check, result
@@ -189,6 +200,7 @@ class CallPlan:
         self.spans = tuple((self.names.index(k), s) for k, s in (spans or {}).items() if s)
         self.out_at = None if given_out is None else self.names.index(given_out[0])
         self.out_span = dict(self.spans).get(self.out_at, 0)
+        self.alias_at = frozenset(self.names.index(a) for a in aliases if a in self.names)
         self.make_outputs = kind.allocation([(o.shape, o.dtype, o.offset) for o in self.outputs],
                                             self.names.index(anchor or self.names[0]))
         # Positions of every pointer a launch may name: arguments, outputs, scratch, the control words (with
@@ -261,6 +273,8 @@ class CallPlan:
             p = ptrs[i]
             if i == self.out_at or not p:
                 continue
-            if not (o1 <= p or p + s <= o0):  # extents meet: the exact test decides (and raises)
+            if not (o1 <= p or p + s <= o0):  # extents meet: in place, or the exact test decides (and raises)
+                if p == o0 and i in self.alias_at and _same_view(objs[i], objs[self.out_at]):
+                    continue
                 self.full_overlap_check(dict(zip(self.names, objs)))
                 return

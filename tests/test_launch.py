@@ -153,3 +153,32 @@ def test_dividers_divide_every_row_index():
     for bad in (0, 2**31):
         with pytest.raises(ValueError, match="divider"):
             launch.divider(bad)
+
+
+def test_out_exactly_an_allowed_input_skips_the_exact_check():
+    """A cached call's out= check: an input named in `aliases` that is exactly out's view (same pointer,
+    shape, strides, dtype) passes at once (in place, which the exact test allows); the same pointer with
+    another view, or an input not named there, goes to the first call's exact test."""
+    torch = pytest.importorskip("torch")
+
+    class Kind:
+        @staticmethod
+        def allocation(specs, anchor):
+            return lambda device_id, objs: ([], [])
+
+    exact = []
+    plan = launch.CallPlan(Kind, 0, ("x", "w", "out"), (), given_out=("out", "y"),
+                           spans={"x": 4096, "w": 64, "out": 4096}, full_overlap_check=exact.append,
+                           aliases=("x",), result=lambda objs, made: None)
+    buf = torch.zeros(32, 32)
+    x, w = buf[:, :], torch.zeros(16)
+    ptr = x.data_ptr()
+    plan._check_out((x, w, buf[:, :]), [ptr, w.data_ptr(), ptr])
+    assert exact == []  # in place: no exact test
+    plan._check_out((x, w, buf.view(16, 64)), [ptr, w.data_ptr(), ptr])  # same bytes, another view
+    assert len(exact) == 1
+    other = launch.CallPlan(Kind, 0, ("x", "w", "out"), (), given_out=("out", "y"),
+                            spans={"x": 4096, "w": 64, "out": 4096}, full_overlap_check=exact.append,
+                            result=lambda objs, made: None)
+    other._check_out((x, w, buf[:, :]), [ptr, w.data_ptr(), ptr])  # x not allowed as out's alias
+    assert len(exact) == 2

@@ -319,7 +319,7 @@ def forward_plan(args: dict, base: dict, traits, rms: bool, return_stats: bool, 
         copies.append("rowscale")  # read by row number
     return CallPlan(x.kind, device, names, tuple(launches), outputs=outputs, copies=copies, zeros=zeros,
                     given_out=None if O is None else ("out", "y"), spans=_spans(names, args),
-                    full_overlap_check=_overlap_check(FORWARD, p.n),
+                    full_overlap_check=_overlap_check(FORWARD, p.n), aliases=FORWARD.in_place["out"],
                     scalars=EPS_SCALARS + (BRANCH_SCALARS if t.branch else ()), result=_picker(picks)), p
 
 
@@ -414,5 +414,5 @@ def backward_plan(args: dict, base: dict, traits, rms: bool, source: str | None 
     return CallPlan(x.kind, device, names, tuple(launches), anchor="x", outputs=outputs, scratch=scratch,
                     copies=copies, zeros=zeros, given_out=None if O is None else ("out", "dx"),
                     spans=_spans(names, args),
-                    full_overlap_check=_overlap_check(BACKWARD, p.n),
+                    full_overlap_check=_overlap_check(BACKWARD, p.n), aliases=BACKWARD.in_place["out"],
                     scalars=BRANCH_SCALARS if t.branch else (), result=_picker(picks)), p

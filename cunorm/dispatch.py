@@ -190,8 +190,10 @@ def heuristic(*, hidden_size: int, input_dtype: str, elts_per_ldg: int | None = 
                 continue
             slots = t.ldgs * t.vec_cols_per_ldg
             idle = (slots - t.vec_cols) / slots
-            # Fewer loads than the target cost latency hiding; more cost registers (and spill).
-            ratio = math.log2(t.ldgs / TARGET_LDGS[backward])
+            # Fewer loads than the target cost latency hiding; more cost registers (and spill). Loads under 8
+            # bytes (one- and two-element vectors of odd layouts) aim at the bytes of TARGET_LDGS 16-byte loads.
+            target = TARGET_LDGS[backward] * (16 // bytes_per_ldg if bytes_per_ldg < 8 else 1)
+            ratio = math.log2(t.ldgs / target)
             cost = (4.0 * idle + (-ratio if ratio < 0 else 3.0 * ratio) + 0.25 * (ctas - 1)
                     + 0.5 * (warps_n & (warps_n - 1) != 0) + NARROW_LOAD_COST * narrow
                     + (SHARED_WARP_COST + PARTIAL_LINE_COST * (lanes * bytes_per_ldg < 128)) * (lanes < THREADS_PER_WARP))

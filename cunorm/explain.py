@@ -51,6 +51,9 @@ def _layout_reasons(p, t: Traits) -> list:
     max_vector = p.base["max_vector"]
     if max_vector < widest:
         why = [r for r in layout.why_not_aligned(rows, p.n, widest) if "different offsets" in r]
+        if layout.batch_invariant():
+            why.append("batch-invariant mode takes the widest vector every row starts on "
+                       "(cunorm.set_batch_invariant), never the general kernel")
         reasons.append(f"narrower loads ({max_vector * isz} bytes): " + "; ".join(why))
     e = t.elts_per_ldg
     if t.aligned_rows:

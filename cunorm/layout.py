@@ -16,10 +16,21 @@ widest power of two (up to 16 bytes of x) for which that holds. When, moreover,
 every row starts on a boundary and N is a multiple of E, the fast kernel runs
 (aligned rows); otherwise the general one, which shifts each row into the
 aligned frame around it and masks its ends.
+
+Batch invariance. The general kernel's lanes hold different elements of a row
+at different shifts, so its sums run in an order that depends on where the row
+starts: in a contiguous batch of odd-sized rows, on the row's index. In
+batch-invariant mode (`set_batch_invariant`, or CUNORM_BATCH_INVARIANT=1 in
+the environment) every call takes the aligned kernel at the widest E its rows
+all start on (narrower loads, never the general kernel), so a row's results
+depend only on N, the dtypes and that E: for a contiguous batch, not on how
+many rows it holds or where the row sits. Aligned rows are batch invariant in
+either mode.
 """
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 from . import dtypes
@@ -178,9 +189,36 @@ def rows_of(a: Arg, n: int, *, output: bool = False) -> Rows:
     return Rows(a.name, arr, rows, ld, arr.ptr // arr.itemsize)
 
 
+_batch_invariant = os.environ.get("CUNORM_BATCH_INVARIANT", "0") not in ("", "0")
+
+
+def set_batch_invariant(on: bool = True):
+    """Batch-invariant mode on or off (module docstring): calls planned from now on take the aligned kernel
+    at the widest vector their rows all start on; cached plans are forgotten."""
+    global _batch_invariant
+    if not isinstance(on, bool):
+        raise TypeError(f"on: expected a bool, got {type(on).__name__}")
+    if on != _batch_invariant:
+        from .plan import forget_choices
+
+        _batch_invariant = on
+        forget_choices()
+
+
+def batch_invariant() -> bool:
+    """Whether batch-invariant mode is on."""
+    return _batch_invariant
+
+
 def vector_widths(row_tensors: list, n: int, x_itemsize: int) -> tuple:
     """(widest E every row tensor's shifts agree on, widest E with aligned
-    rows), both powers of two of at most 16 bytes of x. The first row tensor is x."""
+    rows), both powers of two of at most 16 bytes of x. The first row tensor is x.
+    In batch-invariant mode both are the second: never the general kernel."""
+    shifted, aligned = _vector_widths(row_tensors, n, x_itemsize)
+    return (aligned, aligned) if _batch_invariant else (shifted, aligned)
+
+
+def _vector_widths(row_tensors: list, n: int, x_itemsize: int) -> tuple:
     x = row_tensors[0]
     widest = dtypes.vector_elements(x_itemsize)
     if x.axes is not None:  # three-axis rows: aligned rows only, E dividing every pointer and stride

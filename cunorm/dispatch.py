@@ -40,6 +40,7 @@ PARTIAL_LINE_COST = 1.5
 # were within 0.005 on an H100, and 8 warps leave no shared memory for staging).
 SHARED_WARP_BACKWARD_THREADS = 256
 DEFAULT_STAGES = 3
+NARROW_TARGET_ELTS = 16  # loads under 8 bytes: at most this many elements a thread by the load target
 STAGED_SMEM_BUDGET = 100 * 1024
 # Above 512 threads a CTA gets fewer than 128 registers per thread; wider rows
 # are split across a cluster instead.
@@ -191,8 +192,11 @@ def heuristic(*, hidden_size: int, input_dtype: str, elts_per_ldg: int | None = 
             slots = t.ldgs * t.vec_cols_per_ldg
             idle = (slots - t.vec_cols) / slots
             # Fewer loads than the target cost latency hiding; more cost registers (and spill). Loads under 8
-            # bytes (one- and two-element vectors of odd layouts) aim at the bytes of TARGET_LDGS 16-byte loads.
-            target = TARGET_LDGS[backward] * (16 // bytes_per_ldg if bytes_per_ldg < 8 else 1)
+            # bytes (one- and two-element vectors of odd layouts) aim at the bytes of TARGET_LDGS 16-byte loads,
+            # up to NARROW_TARGET_ELTS elements (rows with x1, a residual and dropout hold three rows).
+            target = TARGET_LDGS[backward]
+            if bytes_per_ldg < 8:
+                target = min(target * 16 // bytes_per_ldg, max(target, NARROW_TARGET_ELTS // t.elts_per_ldg))
             ratio = math.log2(t.ldgs / target)
             cost = (4.0 * idle + (-ratio if ratio < 0 else 3.0 * ratio) + 0.25 * (ctas - 1)
                     + 0.5 * (warps_n & (warps_n - 1) != 0) + NARROW_LOAD_COST * narrow

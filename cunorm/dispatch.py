@@ -200,7 +200,8 @@ def heuristic(*, hidden_size: int, input_dtype: str, elts_per_ldg: int | None = 
             ratio = math.log2(t.ldgs / target)
             cost = (4.0 * idle + (-ratio if ratio < 0 else 3.0 * ratio) + 0.25 * (ctas - 1)
                     + 0.5 * (warps_n & (warps_n - 1) != 0) + NARROW_LOAD_COST * narrow
-                    + (SHARED_WARP_COST + PARTIAL_LINE_COST * (lanes * bytes_per_ldg < 128)) * (lanes < THREADS_PER_WARP))
+                    + (lanes < THREADS_PER_WARP) * (SHARED_WARP_COST
+                                                    + PARTIAL_LINE_COST * (lanes * bytes_per_ldg < 128)))
             # Last resorts, for rows nothing else holds: wider CTAs than the register file favours, more
             # elements per thread than fit without spilling.
             preferred = PREFERRED_ELTS_PER_THREAD[two_rows] // t.register_words

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import scratch
+from .kinds import kind_of
 
 _SLOT_TYPES = ("ptr", "i64", "i32", "u32", "f32", "f64", "axes")
 AXES_SLOTS = 6  # a RowAxes parameter (kernels/norm_traits.cuh): three i64 strides, two u32 sizes, their dividers
@@ -124,8 +125,6 @@ class Launch:
 
 def _same_view(a, b) -> bool:
     """Whether two arrays at one pointer are the same view: shape, strides and dtype (each kind's key part)."""
-    from .kinds import kind_of
-
     ka, kb = kind_of(a), kind_of(b)
     return ka is kb and ka is not None and ka.keypart(a)[0][:3] == kb.keypart(b)[0][:3]
 

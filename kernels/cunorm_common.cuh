@@ -275,6 +275,18 @@ __device__ __forceinline__ float warp_max(float v) {
   return v;
 }
 
+// max over this thread's aligned group of LANES lanes, where only that group need take part: the rest of the
+// warp may hold another row, one past the end that skips the work (several rows a warp).
+template <int LANES>
+__device__ __forceinline__ float lane_group_max(float v) {
+  static_assert(LANES >= 1 && LANES <= 32 && (LANES & (LANES - 1)) == 0, "LANES: a power of 2 up to 32");
+  const unsigned group =
+      LANES == 32 ? 0xffffffffu : ((1u << (LANES % 32)) - 1u) << (threadIdx.x % 32u / LANES * LANES);
+#pragma unroll
+  for (int offset = LANES / 2; offset > 0; offset >>= 1) v = fmaxf(v, __shfl_xor_sync(group, v, offset));
+  return v;
+}
+
 template <int LANES = 32, typename F>
 __device__ __forceinline__ F warp_sum(F v) {
   // A butterfly leaves the same bits in every lane: each step adds the same

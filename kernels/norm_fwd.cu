@@ -25,9 +25,10 @@ template <typename T> struct FormatMax { static constexpr float value = 1.f; };
 template <> struct FormatMax<cn_fp8e4m3> { static constexpr float value = Fp8Format<cn_fp8e4m3>::MAX; };
 template <> struct FormatMax<cn_fp8e5m2> { static constexpr float value = Fp8Format<cn_fp8e5m2>::MAX; };
 constexpr int GROUP_LANES = QUANT_GROUP_COLS / ELTS_PER_LDG;  // the lanes holding one group (QUANT_GROUP)
-static_assert(QUANT != QUANT_GROUP || (ALIGNED_ROWS && COLS % QUANT_GROUP_COLS == 0 && GROUP_LANES <= 32 &&
+static_assert(QUANT != QUANT_GROUP || (ALIGNED_ROWS && COLS % QUANT_GROUP_COLS == 0 && GROUP_LANES <= LANES_PER_ROW &&
                                        GROUP_LANES * ELTS_PER_LDG == QUANT_GROUP_COLS),
-              "128-column scaling needs aligned rows, N a multiple of 128 and loads of >= 4 elements");
+              "128-column scaling needs aligned rows, N a multiple of 128, loads of >= 4 elements and a group's "
+              "lanes within a row's");
 static_assert(QUANT == QUANT_NONE || FormatMax<output_t>::value > 1.f, "scaled outputs are fp8");
 
 // The branch before the residual add (cunorm.reference.branch_input): h = x * rowscale[row] * keep / (1 - p)
@@ -304,9 +305,7 @@ norm_fwd(const input_t* x, const residual_t* residual, const weight_t* __restric
             float m = 0.f;
 #pragma unroll
             for (int e = 0; e < ELTS_PER_LDG; ++e) m = here ? fmaxf(m, fabsf(out[e])) : m;
-#pragma unroll
-            for (int offset = GROUP_LANES / 2; offset > 0; offset >>= 1)
-              m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, offset));
+            m = lane_group_max<GROUP_LANES>(m);  // a row's lanes agree on row_ok; other rows' need not
             if (!here) continue;
             const float scale = m > 0.f ? m / FormatMax<output_t>::value : 1.f;
             if (at.lane % GROUP_LANES == 0)

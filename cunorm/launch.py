@@ -185,12 +185,13 @@ class CallPlan:
     the exact test allows too; anything else goes to `full_overlap_check(objs)`,
     the first call's exact test, which raises).
     scalars: names of per-call scalars (their bits). result(objs, outputs): the
-    return value.
+    return value. absent: arguments the cache key holds as None, whose
+    pointers the launches take as the constant 0 (fewer slots a call).
     """
 
     def __init__(self, kind, device_id: int, names: tuple, launches: tuple, *, anchor=None, outputs=(), scratch=(),
                  copies=(), zeros=(), given_out=None, spans=None, full_overlap_check=None, aliases=(), scalars=(),
-                 result=None):
+                 result=None, absent=()):
         self.kind, self.device_id, self.names, self.launches = kind, device_id, tuple(names), tuple(launches)
         self.outputs, self.scratch, self.zeros = tuple(outputs), tuple(scratch), tuple(zeros)
         self.given_out, self.full_overlap_check, self.result = given_out, full_overlap_check, result
@@ -204,22 +205,27 @@ class CallPlan:
                                             self.names.index(anchor or self.names[0]))
         # Positions of every pointer a launch may name: arguments, outputs, scratch, the control words (with
         # scratch), then the scalars.
-        positions = {name: i for i, name in enumerate(self.names)}
+        positions = {name: i for i, name in enumerate(self.names) if name not in absent}  # absent: constant 0
+        at = len(self.names)  # values: the arguments' pointers, then these
         for o in self.outputs:
-            positions[o.name] = len(positions)
+            positions[o.name] = at
+            at += 1
         self.scratch_starts, total = [], 0
         for name, nbytes in self.scratch:
-            positions[name] = len(positions)
+            positions[name] = at
+            at += 1
             self.scratch_starts.append(total)
             total += -(-nbytes // 256) * 256
         self.scratch_bytes = total
         self.control = any(("ptr", "control") in launch.args for launch in self.launches)
         if self.scratch_bytes:  # the control words come with the scratch block
-            positions["control"] = len(positions)
+            positions["control"] = at
+            at += 1
         elif self.control:
             raise ValueError("a launch names the control words of a plan without scratch")
         for name in scalars:
-            positions[name] = len(positions)
+            positions[name] = at
+            at += 1
         if given_out is not None:
             positions[given_out[1]] = self.out_at
         self.zero_at = tuple(positions[z] - len(self.names) for z in self.zeros)

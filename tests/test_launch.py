@@ -80,6 +80,34 @@ def test_call_plan_binds_outputs_scratch_and_scalars(launched):
     first = 5000 + scratch.CONTROL_BYTES  # a fresh block (the stream is no CUDA stream here): control words first
     assert p[:5] == [10, 0, 1000, first, first + 256]
     assert np.uint32(p[5]).view(np.float32) == 1.0
+    assert len(k._get(list(range(10)))) == 6  # every parameter written per call
+
+
+def test_absent_arguments_are_constant_zeros(launched):
+    """An argument the cache key holds as None is no per-call slot: its pointer stays 0 whatever a call
+    passes there, and the others still land where they belong."""
+    class Kind:
+        @staticmethod
+        def allocation(specs, anchor):
+            return lambda device_id, objs: (["out0"], [1000])
+
+        @staticmethod
+        def stream(device_id):
+            return 3
+
+    k = launch.Launch(_kernel(), 1, [("ptr", "a"), ("ptr", "b"), ("ptr", "c"), ("ptr", "y")])
+    monkey_device = launch._current_device
+    launch._current_device = lambda: 0
+    try:
+        plan = launch.CallPlan(Kind, 0, ("a", "b", "c"), (k,), outputs=[launch.Output("y", (4,), np.dtype("f4"))],
+                               result=lambda objs, made: made, absent=("b",))
+        plan.run(("A", None, "C"), [10, 0, 30])
+        assert _slot_values(k) == [10, 0, 30, 1000]
+        plan.run(("A", None, "C"), [11, 99, 31])  # a stray pointer in an absent place is not read
+        assert _slot_values(k) == [11, 0, 31, 1000]
+    finally:
+        launch._current_device = monkey_device
+    assert len(k._get([0] * 4)) == 3  # a, c and y: b is a constant
 
 
 def test_scratch_arena_per_stream(monkeypatch):

@@ -41,18 +41,13 @@ def _eps_bits(eps) -> tuple:
     return bits
 
 
-def _branch(dropout_p, seed, rowscale, return_mask, x1, weight1, bias1):
-    """The branch and parallel arguments of a forward, or None where it has neither (the plain cached path):
-    no dropout, no row scale, no mask asked for, no x1, no second weight (a seed alone draws nothing and is
-    ignored; anything but a number as dropout_p is refused by `calls.check_branch`)."""
-    if (dropout_p is None or dropout_p.__class__ in (float, int) and not dropout_p) and rowscale is None \
-            and not return_mask and x1 is None and weight1 is None and bias1 is None:
-        return None
-    return dropout_p, seed, rowscale, return_mask, x1, weight1, bias1
+# Each public op first tries its cached plan (`plan.call_key`: the flags, then each array's layout), in
+# its own body (a frame less: the hit path is counted in µs); a miss goes through `_forward` / `_backward`.
+# The plain path is the one without dropout (dropout_p None or a zero number), a row scale, a mask, x1, a
+# second weight or (backward) their gradients (a seed alone draws nothing and is ignored; anything but a
+# number as dropout_p is refused by `calls.check_branch`).
+_NUMBERS = (float, int)
 
-
-# Each public op first tries its cached plan (`plan.call_key`: the flags,
-# then each array's layout); a miss goes through `_forward` / `_backward`.
 
 def _check_as_on_gpu(prepare, args: dict, base: dict, traits, source=None):
     """The checks a GPU call makes that validation alone does not: the row
@@ -66,38 +61,25 @@ def _check_as_on_gpu(prepare, args: dict, base: dict, traits, source=None):
     return p
 
 
-def _forward_call(rms, x, weight, bias, eps, residual, residual_dtype, zero_centered_weight, return_stats,
-                  out_dtype, out, traits, source, scale=None, scaling=None, return_amax=False, branch=None):
-    """A forward call: its cached plan, or `_forward`. (Positional arguments: the hit path is counted in µs.)
-    `branch`: (dropout_p, seed, rowscale, return_dropout_mask, x1, weight1, bias1) where any is given: keyed
-    apart, with rowscale, x1, weight1 and bias1 among the arrays, whether there is dropout and the mask among
-    the flags; the per-call values (dropout_p, seed) are checked on every call (`_branch_call_bits`)."""
-    if branch is not None:
-        p, seed, rowscale, return_mask, x1, weight1, bias1 = branch
-        branch_bits = _branch_call_bits(p, seed)
-        if branch_bits is None:  # not plain numbers: the full checks say why, or take them
-            return _forward(rms, None, None, x, weight, bias, eps, residual, residual_dtype, zero_centered_weight,
-                            return_stats, out_dtype, out, traits, source, scale, scaling, return_amax, branch)
-        values = (x, weight, bias, residual, out, scale, rowscale, x1, weight1, bias1)
-        key, ptrs = _call_key(values, (rms, residual_dtype, zero_centered_weight, return_stats, out_dtype, scaling,
-                                       return_amax, source, "branch", p > 0, bool(return_mask), traits))
-        hit = _CALLS.get(key)
-        if hit is not None:
-            return hit.run(values, ptrs, _eps_bits(eps) + branch_bits)
-        return _forward(rms, key, ptrs, x, weight, bias, eps, residual, residual_dtype, zero_centered_weight,
+def _forward_branch(rms, x, weight, bias, eps, residual, residual_dtype, zero_centered_weight, return_stats,
+                    out_dtype, out, traits, source, scale, scaling, return_amax, branch):
+    """A forward with a branch or the parallel block: its cached plan, or `_forward`. `branch`: (dropout_p,
+    seed, rowscale, return_dropout_mask, x1, weight1, bias1): keyed apart from the plain path, with rowscale,
+    x1, weight1 and bias1 among the arrays, whether there is dropout and the mask among the flags; the
+    per-call values (dropout_p, seed) are checked on every call (`_branch_call_bits`)."""
+    p, seed, rowscale, return_mask, x1, weight1, bias1 = branch
+    branch_bits = _branch_call_bits(p, seed)
+    if branch_bits is None:  # not plain numbers: the full checks say why, or take them
+        return _forward(rms, None, None, x, weight, bias, eps, residual, residual_dtype, zero_centered_weight,
                         return_stats, out_dtype, out, traits, source, scale, scaling, return_amax, branch)
-    values = (x, weight, bias, residual, out, scale)
+    values = (x, weight, bias, residual, out, scale, rowscale, x1, weight1, bias1)
     key, ptrs = _call_key(values, (rms, residual_dtype, zero_centered_weight, return_stats, out_dtype, scaling,
-                                   return_amax, source, traits))
+                                   return_amax, source, "branch", p > 0, bool(return_mask), traits))
     hit = _CALLS.get(key)
     if hit is not None:
-        try:
-            bits = _EPS[eps]
-        except (KeyError, TypeError):
-            bits = _eps_bits(eps)
-        return hit.run(values, ptrs, bits)
+        return hit.run(values, ptrs, _eps_bits(eps) + branch_bits)
     return _forward(rms, key, ptrs, x, weight, bias, eps, residual, residual_dtype, zero_centered_weight,
-                    return_stats, out_dtype, out, traits, source, scale, scaling, return_amax)
+                    return_stats, out_dtype, out, traits, source, scale, scaling, return_amax, branch)
 
 
 def _forward(rms, key, ptrs, x, weight, bias, eps, residual, residual_dtype, zero_centered_weight, return_stats,
@@ -152,7 +134,7 @@ def _backward(rms, key, dy, x, mean, rstd, weight, has_bias, bias_dtype, dresidu
 def _backward_branch(rms, dy, x, mean, rstd, weight, has_bias, bias_dtype, dresidual, zero_centered_weight, out,
                      traits, source, y, bias, branch):
     """A backward after a forward with a branch or the parallel block: keyed apart as the forward's
-    (`_forward_call`). `branch`: (dropout_p, seed, rowscale, dx0_dtype, dy1, weight1, has_bias1, bias1_dtype,
+    (`_forward_branch`). `branch`: (dropout_p, seed, rowscale, dx0_dtype, dy1, weight1, has_bias1, bias1_dtype,
     has_x1, dx1_dtype)."""
     p, seed, rowscale, dx0_dtype, dy1, weight1, has_bias1, bias1_dtype, has_x1, dx1_dtype = branch
     branch_bits = _branch_call_bits(p, seed)
@@ -225,9 +207,20 @@ def layer_norm(x, weight=None, bias=None, eps=1e-5, *, residual=None, residual_d
     dtype; needs a weight; not with fp8 or per-head weights), returned right
     after y: (y, y1, residual_out, masks..., stats...).
     """
-    return _forward_call(False, x, weight, bias, eps, residual, residual_dtype, zero_centered_weight, return_stats,
-                         out_dtype, out, traits, source, scale, scaling, return_amax,
-                         _branch(dropout_p, seed, rowscale, return_dropout_mask, x1, weight1, bias1))
+    if rowscale is None and x1 is None and weight1 is None and bias1 is None and not return_dropout_mask and (
+            dropout_p is None or dropout_p.__class__ in _NUMBERS and not dropout_p):  # the plain cached path
+        values = (x, weight, bias, residual, out, scale)
+        key, ptrs = _call_key(values, (False, residual_dtype, zero_centered_weight, return_stats, out_dtype, scaling,
+                                       return_amax, source, traits))
+        hit = _CALLS.get(key)
+        if hit is not None:
+            bits = _EPS.get(eps) if eps.__class__ is float else None
+            return hit.run(values, ptrs, bits or _eps_bits(eps))
+        return _forward(False, key, ptrs, x, weight, bias, eps, residual, residual_dtype, zero_centered_weight,
+                        return_stats, out_dtype, out, traits, source, scale, scaling, return_amax)
+    return _forward_branch(False, x, weight, bias, eps, residual, residual_dtype, zero_centered_weight, return_stats,
+                           out_dtype, out, traits, source, scale, scaling, return_amax,
+                           (dropout_p, seed, rowscale, return_dropout_mask, x1, weight1, bias1))
 
 
 def rms_norm(x, weight=None, eps=1e-6, *, bias=None, residual=None, residual_dtype=None, zero_centered_weight=False,
@@ -244,16 +237,20 @@ def rms_norm(x, weight=None, eps=1e-6, *, bias=None, residual=None, residual_dty
     `seed=`, `rowscale=`, `return_dropout_mask=`) and the parallel block
     (`x1=`, `weight1=`, `bias1=`) too.
     """
-    return _forward_call(True, x, weight, bias, eps, residual, residual_dtype, zero_centered_weight, return_stats,
-                         out_dtype, out, traits, source, scale, scaling, return_amax,
-                         _branch(dropout_p, seed, rowscale, return_dropout_mask, x1, weight1, bias1))
-
-
-def _backward_extra(dropout_p, rowscale, dx0_dtype, dy1, weight1, has_bias1, bias1_dtype, has_x1, dx1_dtype) -> bool:
-    """Whether a backward has a branch or the parallel block (`_backward_branch`), not the plain cached path."""
-    return not ((dropout_p is None or dropout_p.__class__ in (float, int) and not dropout_p) and rowscale is None
-                and dx0_dtype is None and dy1 is None and weight1 is None and not has_bias1 and bias1_dtype is None
-                and not has_x1 and dx1_dtype is None)
+    if rowscale is None and x1 is None and weight1 is None and bias1 is None and not return_dropout_mask and (
+            dropout_p is None or dropout_p.__class__ in _NUMBERS and not dropout_p):  # the plain cached path
+        values = (x, weight, bias, residual, out, scale)
+        key, ptrs = _call_key(values, (True, residual_dtype, zero_centered_weight, return_stats, out_dtype, scaling,
+                                       return_amax, source, traits))
+        hit = _CALLS.get(key)
+        if hit is not None:
+            bits = _EPS.get(eps) if eps.__class__ is float else None
+            return hit.run(values, ptrs, bits or _eps_bits(eps))
+        return _forward(True, key, ptrs, x, weight, bias, eps, residual, residual_dtype, zero_centered_weight,
+                        return_stats, out_dtype, out, traits, source, scale, scaling, return_amax)
+    return _forward_branch(True, x, weight, bias, eps, residual, residual_dtype, zero_centered_weight, return_stats,
+                           out_dtype, out, traits, source, scale, scaling, return_amax,
+                           (dropout_p, seed, rowscale, return_dropout_mask, x1, weight1, bias1))
 
 
 def layer_norm_backward(dy, x=None, mean=None, rstd=None, weight=None, *, y=None, bias=None, has_bias=True,
@@ -291,7 +288,9 @@ def layer_norm_backward(dy, x=None, mean=None, rstd=None, weight=None, *, y=None
     `bias1_dtype`, default weight1's) at the end:
     (dx, [dx0], [dx1], dweight, dbias, [dweight1, dbias1]).
     """
-    if _backward_extra(dropout_p, rowscale, dx0_dtype, dy1, weight1, has_bias1, bias1_dtype, has_x1, dx1_dtype):
+    if rowscale is not None or dx0_dtype is not None or dy1 is not None or weight1 is not None or has_bias1 \
+            or bias1_dtype is not None or has_x1 or dx1_dtype is not None or not (
+            dropout_p is None or dropout_p.__class__ in _NUMBERS and not dropout_p):  # not the plain path
         return _backward_branch(False, dy, x, mean, rstd, weight, has_bias, bias_dtype, dresidual, zero_centered_weight,
                                 out, traits, source, y, bias, (dropout_p, seed, rowscale, dx0_dtype, dy1, weight1,
                                                                has_bias1, bias1_dtype, has_x1, dx1_dtype))
@@ -314,7 +313,9 @@ def rms_norm_backward(dy, x=None, rstd=None, weight=None, *, y=None, bias=None, 
     in place of x, and a forward with dropout or a row scale adds dx0 after
     dx, as in `layer_norm_backward`; the parallel block adds dx1 (`has_x1`)
     and, with `dy1` and `weight1`, dweight1 (and dbias1 with `has_bias1`)."""
-    if _backward_extra(dropout_p, rowscale, dx0_dtype, dy1, weight1, has_bias1, bias1_dtype, has_x1, dx1_dtype):
+    if rowscale is not None or dx0_dtype is not None or dy1 is not None or weight1 is not None or has_bias1 \
+            or bias1_dtype is not None or has_x1 or dx1_dtype is not None or not (
+            dropout_p is None or dropout_p.__class__ in _NUMBERS and not dropout_p):  # not the plain path
         return _backward_branch(True, dy, x, None, rstd, weight, has_bias, bias_dtype, dresidual, zero_centered_weight,
                                 out, traits, source, y, bias, (dropout_p, seed, rowscale, dx0_dtype, dy1, weight1,
                                                                has_bias1, bias1_dtype, has_x1, dx1_dtype))

@@ -235,6 +235,11 @@ def _spans(names: tuple, args: dict) -> dict:
             for name, a in args.items() if a is not None and name in names}
 
 
+def _absent(names: tuple, args: dict) -> tuple:
+    """The call's arrays that are None: None in its cache key too, so their pointers are constants."""
+    return tuple(name for name in names if args.get(name) is None)
+
+
 def _picker(picks: list):
     """The result of a call from its outputs: picks are ("made", index) (an
     allocated output), ("arg", index) (a given `out=`) or None (an absent gradient)."""
@@ -320,7 +325,8 @@ def forward_plan(args: dict, base: dict, traits, rms: bool, return_stats: bool, 
     return CallPlan(x.kind, device, names, tuple(launches), outputs=outputs, copies=copies, zeros=zeros,
                     given_out=None if O is None else ("out", "y"), spans=_spans(names, args),
                     full_overlap_check=_overlap_check(FORWARD, p.n), aliases=FORWARD.in_place["out"],
-                    scalars=EPS_SCALARS + (BRANCH_SCALARS if t.branch else ()), result=_picker(picks)), p
+                    scalars=EPS_SCALARS + (BRANCH_SCALARS if t.branch else ()), result=_picker(picks),
+                    absent=_absent(names, args)), p
 
 
 def backward_plan(args: dict, base: dict, traits, rms: bool, source: str | None = None, extended: bool = False,
@@ -415,4 +421,5 @@ def backward_plan(args: dict, base: dict, traits, rms: bool, source: str | None 
                     copies=copies, zeros=zeros, given_out=None if O is None else ("out", "dx"),
                     spans=_spans(names, args),
                     full_overlap_check=_overlap_check(BACKWARD, p.n), aliases=BACKWARD.in_place["out"],
-                    scalars=BRANCH_SCALARS if t.branch else (), result=_picker(picks)), p
+                    scalars=BRANCH_SCALARS if t.branch else (), result=_picker(picks),
+                    absent=_absent(names, args)), p

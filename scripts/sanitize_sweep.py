@@ -28,8 +28,11 @@ from cunorm import check  # noqa: E402
 
 
 def sweep_cases(rows: int = 3) -> list:
-    cases = check.default_cases(rows=(rows,))
-    return list(dict.fromkeys(dataclasses.replace(c, rows=rows) for c in cases))
+    """Every checker case at `rows` rows; per-head cases at the fewest whole [2, rows / (2 heads), heads] blocks."""
+    def few(case):
+        return dataclasses.replace(case, rows=rows if not case.heads else -(-rows // (2 * case.heads)) * 2 * case.heads)
+
+    return list(dict.fromkeys(few(c) for c in check.default_cases(rows=(rows,))))
 
 
 def shard(text: str) -> tuple:

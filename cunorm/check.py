@@ -345,7 +345,7 @@ def case_kernels(cases, arch: int, spills=None, gpu=None):
                 found = [(dispatch.choose(arch=arch, tuned=False, **call)[0], "heuristic (the tuned entry spills)")]
             traits, origin = found[0]
             if one_launch(traits, case.rows):  # small backwards run the one-launch variant, unless it spills
-                fused = traits.replace(last_cta_finalize=True)
+                fused = traits.replace(grid_finalize=True)
                 if spills is None or not spills(fused):
                     found.append((fused, origin))
         for traits, origin in found:

@@ -114,9 +114,10 @@ def explain(op, *args, arch: int | str | None = None, **kwargs) -> Explanation:
         reasons.append(f"source: an edited {t.source_file} (the caller's), compiled in place of the shipped one")
     reasons += _layout_reasons(p, t)
     if backward and source is None and plans.one_launch(t, p.row_count):
-        reasons.append(f"one launch: {p.row_count} rows of {t.hidden_size} are few enough that the last CTA to "
-                       f"finish sums the partial rows into dweight/dbias (no finalize kernel), on a grid capped "
-                       f"to keep that sum short (unless that variant spills: then two launches)")
+        reasons.append(f"one launch: {p.row_count} rows of {t.hidden_size} are few enough that the grid sums "
+                       f"its partial rows into dweight/dbias itself after a grid-wide barrier (a cooperative "
+                       f"launch; no finalize kernel), on a capped grid (unless that variant spills: then two "
+                       f"launches)")
     if origin == "tuned":
         neighbour = dispatch.tuned_neighbour(t.hidden_size, t.input_dtype)
         general = not t.aligned_rows and dispatch.tuned_knobs(t.backward, neighbour, t.input_dtype, general=True)

@@ -63,10 +63,12 @@ class Launch:
     the slots out: the per-call ones first, in one run, then the constants
     (written once; cuLaunchKernel finds each parameter through its own
     pointer, so the slots need not follow the parameters' order). A call
-    writes the per-call run with one `struct.pack_into` and launches."""
+    writes the per-call run with one `struct.pack_into` and launches.
+    `cooperative`: launched with cuLaunchCooperativeKernel, which runs every
+    CTA of the grid at once or refuses (a kernel with a grid-wide barrier)."""
 
-    def __init__(self, kernel, grid: int, args: list):
-        self.kernel, self.grid, self.args = kernel, grid, args
+    def __init__(self, kernel, grid: int, args: list, cooperative: bool = False):
+        self.kernel, self.grid, self.args, self.cooperative = kernel, grid, args, cooperative
         self.function = kernel.function.kernel.ptr
         self.threads, self.smem = kernel.threads, kernel.smem
         for kind, _ in args:
@@ -120,7 +122,10 @@ class Launch:
             self._pack(self.slots, 0, *self._get(values))
         elif self._one is not None:
             self._pack(self.slots, 0, values[self._one])
-        _launch(self.function, self.grid, 1, 1, self.threads, 1, 1, self.smem, stream, self.params, 0)
+        if self.cooperative:
+            _launch_cooperative(self.function, self.grid, 1, 1, self.threads, 1, 1, self.smem, stream, self.params)
+        else:
+            _launch(self.function, self.grid, 1, 1, self.threads, 1, 1, self.smem, stream, self.params, 0)
 
 
 def _same_view(a, b) -> bool:
@@ -146,6 +151,14 @@ def _launch(*args):
     global _launch
     _launch = launchKernel  # looked up once
     launchKernel(*args)
+
+
+def _launch_cooperative(*args):
+    from cupy_backends.cuda.api.driver import launchCooperativeKernel
+
+    global _launch_cooperative
+    _launch_cooperative = launchCooperativeKernel  # looked up once
+    launchCooperativeKernel(*args)
 
 
 @dataclass(frozen=True)

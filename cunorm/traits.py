@@ -90,10 +90,10 @@ class Traits:
       "tensor" (a given scale), "row" or "group" (amax / format max per row or
       per 128 columns, stored beside y); "none" otherwise.
     amax: (forward, fp8 output) also store the largest |y| of the call.
-    last_cta_finalize: (backward) the last CTA to write its partial row sums
-      them all into dgamma/dbeta (one launch, and a ticket word the host
-      keeps at 0), instead of norm_bwd_finalize: for small calls, whose grid
-      the host caps.
+    grid_finalize: (backward) the grid, once every CTA has written its
+      partial row (a grid-wide barrier: the host launches it cooperatively,
+      and keeps its ticket word at 0), sums them into dgamma/dbeta itself,
+      instead of norm_bwd_finalize: one launch, for small calls.
     dropout / rowscale_dtype: the branch before the residual add, h = x *
       rowscale * keep / (1 - p) (+ residual): dropout drawn per element from
       a seed (Philox, `reference.dropout_keep`), a scale per row (its dtype;
@@ -144,7 +144,7 @@ class Traits:
     from_output: bool = False
     quant: str = "none"
     amax: bool = False
-    last_cta_finalize: bool = False
+    grid_finalize: bool = False
     dropout: bool = False
     rowscale_dtype: str | None = None
     dropout_mask: bool = False
@@ -327,7 +327,7 @@ class Traits:
         cluster)} for the extern "C" kernels of source_file."""
         if self.backward:
             main = {"norm_bwd": (self.threads_per_cta, self.smem_bytes, self.ctas_per_row)}
-            return main if self.last_cta_finalize else {
+            return main if self.grid_finalize else {
                 **main, "norm_bwd_finalize": (FINALIZE_WARPS * THREADS_PER_WARP, 0, 1)}
         return {"norm_fwd": (self.threads_per_cta, self.smem_bytes, self.ctas_per_row)}
 
@@ -370,8 +370,8 @@ class Traits:
         rule(not self.per_head or not self.cache_weights, "per-head weights are read per row, not held "
              "(cache_weights must be False)")
         rule(self.backward or not self.from_output, "from_output is a backward flag")
-        rule(not self.last_cta_finalize or (self.backward and (self.has_weight or self.has_bias)),
-             "LAST_CTA_FINALIZE needs column sums (a backward with a weight or a bias)")
+        rule(not self.grid_finalize or (self.backward and (self.has_weight or self.has_bias)),
+             "GRID_FINALIZE needs column sums (a backward with a weight or a bias)")
         rule(not self.dropout_mask or (self.dropout and not self.backward), "a dropout mask needs a forward's dropout")
         rule((self.dx0_dtype is not None) == (self.backward and self.branch),
              "dx0_dtype is given exactly for a backward with dropout or a row scale")
@@ -427,7 +427,7 @@ class Traits:
                                                      ("from-output", self.from_output),
                                                      (f"fp8-scaled-per-{self.quant}", self.quant != "none"),
                                                      ("amax", self.amax),
-                                                     ("last-cta-finalize", self.last_cta_finalize),
+                                                     ("grid-finalize", self.grid_finalize),
                                                      ("dropout", self.dropout),
                                                      (f"rowscale={self.rowscale_dtype}",
                                                       self.rowscale_dtype is not None),
@@ -488,7 +488,7 @@ class Traits:
             "FROM_OUTPUT": int(self.from_output),
             "QUANT": QUANT_MODES.index(self.quant),
             "AMAX": int(self.amax),
-            "LAST_CTA_FINALIZE": int(self.last_cta_finalize),
+            "GRID_FINALIZE": int(self.grid_finalize),
             "BRANCH": int(self.branch),
             "DROPOUT": "true" if self.dropout else "false",
             "ROWSCALE": "true" if self.rowscale_dtype is not None else "false",

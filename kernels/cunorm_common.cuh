@@ -261,6 +261,12 @@ __device__ __forceinline__ void cp_async_zfill(void* smem, const void* gmem, int
     asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;" ::"r"(dst), "l"(gmem), "n"(BYTES), "r"(src_bytes)
                  : "memory");
 }
+// A word another CTA releases (atomics, then this load): read at GPU scope with acquire order.
+__device__ __forceinline__ unsigned load_acquire(const unsigned* p) {
+  unsigned v;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 // Waits until at most N of this thread's committed groups are still in flight.
 template <int N>

@@ -1,6 +1,6 @@
 // Row normalization backward: dx, and per-CTA partials (compute_t) of dgamma and
 // dbeta, in one pass over x and dy; norm_bwd_finalize then sums the partials
-// (or, LAST_CTA_FINALIZE, the last CTA of the grid does: one launch).
+// (or, GRID_FINALIZE, the whole grid does after a grid-wide barrier: one launch).
 //
 // With xhat = (x - mean) * rstd (RMSNorm: x * rstd) and g = dy * gamma (or
 // dy * (1 + gamma) for a zero-centered weight):
@@ -11,7 +11,7 @@
 // The grid is persistent (one wave, rows staged as in norm_fwd.cu): each CTA
 // walks its rows, keeps its column sums (in registers, or in shared memory
 // with SMEM_ACCUMULATORS), and writes one partial row. No sum is atomic (the
-// one atomic, LAST_CTA_FINALIZE's ticket, only picks the CTA that sums), and
+// atomics, GRID_FINALIZE's ticket, only count CTAs through a barrier), and
 // every sum runs in a fixed order, so the results are bitwise reproducible.
 #include "cunorm_common.cuh"
 #include "norm_traits.cuh"
@@ -22,11 +22,11 @@ constexpr bool RECOMPUTE = ${RECOMPUTE};  // recompute xhat and g after the redu
 // 1 + gamma; beta only with HAS_BIAS), so the forward's input need not be kept. Inexact where g is near 0.
 #define CN_FROM_OUTPUT ${FROM_OUTPUT}
 constexpr bool FROM_OUTPUT = CN_FROM_OUTPUT;
-// The partial rows summed by the last CTA to write one, instead of by norm_bwd_finalize: one launch for
-// small calls (the host caps their grid, so that the one CTA has few partial rows to read).
-#define CN_LAST_CTA_FINALIZE ${LAST_CTA_FINALIZE}
-constexpr bool LAST_CTA_FINALIZE = CN_LAST_CTA_FINALIZE;
-static_assert(!LAST_CTA_FINALIZE || HAS_WEIGHT || HAS_BIAS, "LAST_CTA_FINALIZE needs column sums");
+// The partial rows summed by the grid itself after a grid-wide barrier (a cooperative launch), instead of
+// by norm_bwd_finalize: one launch for small calls.
+#define CN_GRID_FINALIZE ${GRID_FINALIZE}
+constexpr bool GRID_FINALIZE = CN_GRID_FINALIZE;
+static_assert(!GRID_FINALIZE || HAS_WEIGHT || HAS_BIAS, "GRID_FINALIZE needs column sums");
 // The forward's branch (dropout, a row scale before the residual add; see norm_fwd.cu): dx is h's
 // gradient (the residual's), and dx0 = dx * keep / (1 - p) * rowscale[row] the branch input's, the keep
 // mask drawn again from the seed (cn_keep_bits).
@@ -159,61 +159,79 @@ __device__ __forceinline__ void fold_slots(const AccVec* slots, compute_t* part,
   }
 }
 
-// LAST_CTA_FINALIZE: each CTA takes a ticket once its partial row is written;
-// the CTA with the last ticket sums every partial row, column by column in
-// partial-row order (a fixed order, whichever CTA is last), reading through
-// L2 (ld.cg: the other CTAs' writes are there, not in this SM's L1), and puts
-// the ticket back to 0 for the next launch on its stream. A thread sums
-// LAST_VEC neighbouring columns with 16-byte loads, several partial rows in
-// flight (one CTA reads them all: latency, not bandwidth, bounds it). PER_HEAD:
-// partial row p belongs to head p % heads, as in norm_bwd_finalize.
+// GRID_FINALIZE (one launch): the host launches the grid cooperatively, so every CTA is resident and a
+// grid-wide barrier cannot hang. Each CTA writes its partial row and raises the ticket; once all have, the
+// whole grid sums the partial rows: a unit of LAST_VEC neighbouring columns per FIN_LANES lanes of a warp,
+// the lanes taking interleaved partial rows, then a butterfly over them (a fixed order, whichever CTA runs
+// it: bitwise reproducible), reading through L2 (ld.cg: the other CTAs' writes are there, not in this
+// SM's L1). On its way out each CTA raises the ticket again; the last puts it back to 0 for the next
+// launch on its stream. PER_HEAD: partial row p belongs to head p % heads, as in norm_bwd_finalize.
 constexpr int LAST_VEC = COLS % (16 / int(sizeof(compute_t))) == 0 ? 16 / int(sizeof(compute_t)) : 1;
-__device__ __forceinline__ void finalize_if_last(unsigned* ticket, int parts, long long heads,
-                                                 const compute_t* gpart, const compute_t* bpart,
-                                                 weight_t* dgamma, bias_t* dbeta, const compute_t* g1part,
-                                                 const compute_t* b1part, weight1_t* dgamma1, bias1_t* dbeta1) {
+constexpr int FIN_LANES = 8;  // lanes a unit: 32 / FIN_LANES units a warp, neighbours (whole sectors a row)
+__device__ __forceinline__ void finalize_across_grid(unsigned* ticket, int parts, long long heads,
+                                                     const compute_t* gpart, const compute_t* bpart,
+                                                     weight_t* dgamma, bias_t* dbeta, const compute_t* g1part,
+                                                     const compute_t* b1part, weight1_t* dgamma1, bias1_t* dbeta1) {
   using SumVec = Vec<compute_t, LAST_VEC>;
-  __shared__ bool last;
   __threadfence();  // this thread's partial sums, device-visible before the ticket
   __syncthreads();
-  if (threadIdx.x == 0) last = atomicAdd(ticket, 1u) == gridDim.x - 1;
+  if (threadIdx.x == 0) {
+    atomicAdd(ticket, 1u);
+    while (load_acquire(ticket) < gridDim.x) __nanosleep(32);
+  }
   __syncthreads();
-  if (!last) return;
-  __threadfence();
   constexpr int ROW_VECS = COLS / LAST_VEC;
-  const long long outputs = heads * ROW_VECS;  // in vectors of LAST_VEC columns
-  for (long long j = threadIdx.x; j < outputs; j += THREADS_PER_CTA) {
-    const long long head = PER_HEAD ? j / ROW_VECS : 0;
-    const long long v = PER_HEAD ? j % ROW_VECS : j;
+  constexpr int UNITS_PER_WARP = THREADS_PER_WARP / FIN_LANES;
+  const long long units = heads * ROW_VECS;  // in vectors of LAST_VEC columns
+  const int lane = threadIdx.x % THREADS_PER_WARP, sub = lane % FIN_LANES;
+  const long long warps = static_cast<long long>(gridDim.x) * (THREADS_PER_CTA / THREADS_PER_WARP);
+  // Whole warps step together (the butterfly takes every lane of the warp); lanes past the end add zeros.
+  for (long long w = blockIdx.x * (THREADS_PER_CTA / THREADS_PER_WARP) + threadIdx.x / THREADS_PER_WARP;
+       w * UNITS_PER_WARP < units; w += warps) {
+    const long long j = w * UNITS_PER_WARP + lane / FIN_LANES;
+    const bool ok = j < units;
+    const long long head = PER_HEAD && ok ? j / ROW_VECS : 0;
+    const long long v = ok ? (PER_HEAD ? j % ROW_VECS : j) : 0;
     SumVec g, b, g1, b1;
     g.zero();
     b.zero();
     g1.zero();
     b1.zero();
-#pragma unroll 8
-    for (long long p = head; p < parts; p += heads) {
-      SumVec pg, pb, pg1, pb1;
-      if (HAS_WEIGHT) pg.load_cg(gpart + p * COLS, v);
-      if (HAS_BIAS) pb.load_cg(bpart + p * COLS, v);
-      if (PARALLEL) pg1.load_cg(g1part + p * COLS, v);
-      if (HAS_BIAS1) pb1.load_cg(b1part + p * COLS, v);
+    if (ok) {
+#pragma unroll 4
+      for (long long p = head + sub * heads; p < parts; p += FIN_LANES * heads) {
+        SumVec pg, pb, pg1, pb1;
+        if (HAS_WEIGHT) pg.load_cg(gpart + p * COLS, v);
+        if (HAS_BIAS) pb.load_cg(bpart + p * COLS, v);
+        if (PARALLEL) pg1.load_cg(g1part + p * COLS, v);
+        if (HAS_BIAS1) pb1.load_cg(b1part + p * COLS, v);
 #pragma unroll
-      for (int e = 0; e < LAST_VEC; ++e) {
-        if (HAS_WEIGHT) g.add(e, pg.get(e));
-        if (HAS_BIAS) b.add(e, pb.get(e));
-        if (PARALLEL) g1.add(e, pg1.get(e));
-        if (HAS_BIAS1) b1.add(e, pb1.get(e));
+        for (int e = 0; e < LAST_VEC; ++e) {
+          if (HAS_WEIGHT) g.add(e, pg.get(e));
+          if (HAS_BIAS) b.add(e, pb.get(e));
+          if (PARALLEL) g1.add(e, pg1.get(e));
+          if (HAS_BIAS1) b1.add(e, pb1.get(e));
+        }
       }
     }
 #pragma unroll
     for (int e = 0; e < LAST_VEC; ++e) {
-      if (HAS_WEIGHT) dgamma[j * LAST_VEC + e] = from_float<weight_t>(g.get(e));
-      if (HAS_BIAS) dbeta[j * LAST_VEC + e] = from_float<bias_t>(b.get(e));
-      if (PARALLEL) dgamma1[j * LAST_VEC + e] = from_float<weight1_t>(g1.get(e));
-      if (HAS_BIAS1) dbeta1[j * LAST_VEC + e] = from_float<bias1_t>(b1.get(e));
+      if (HAS_WEIGHT) g.set(e, warp_sum<FIN_LANES>(g.get(e)));
+      if (HAS_BIAS) b.set(e, warp_sum<FIN_LANES>(b.get(e)));
+      if (PARALLEL) g1.set(e, warp_sum<FIN_LANES>(g1.get(e)));
+      if (HAS_BIAS1) b1.set(e, warp_sum<FIN_LANES>(b1.get(e)));
+    }
+    if (ok && sub == 0) {
+#pragma unroll
+      for (int e = 0; e < LAST_VEC; ++e) {
+        if (HAS_WEIGHT) dgamma[j * LAST_VEC + e] = from_float<weight_t>(g.get(e));
+        if (HAS_BIAS) dbeta[j * LAST_VEC + e] = from_float<bias_t>(b.get(e));
+        if (PARALLEL) dgamma1[j * LAST_VEC + e] = from_float<weight1_t>(g1.get(e));
+        if (HAS_BIAS1) dbeta1[j * LAST_VEC + e] = from_float<bias1_t>(b1.get(e));
+      }
     }
   }
-  if (threadIdx.x == 0) *ticket = 0u;
+  if (threadIdx.x == 0 && atomicAdd(ticket, 1u) == 2 * gridDim.x - 1) *ticket = 0u;  // every CTA is past the wait
 }
 
 // Row tensors (dy, x, dresidual, dx) may alias one another (in place) and so
@@ -230,7 +248,7 @@ norm_bwd(const output_t* dy, const input_t* x, const residual_t* dresidual,
 #if CN_FROM_OUTPUT
          , const bias_t* __restrict__ beta, long long beta_stride, long long beta_head_stride
 #endif
-#if CN_LAST_CTA_FINALIZE
+#if CN_GRID_FINALIZE
          , unsigned* ticket, int parts, weight_t* __restrict__ dgamma, bias_t* __restrict__ dbeta
 #endif
 #if CN_BRANCH
@@ -240,7 +258,7 @@ norm_bwd(const output_t* dy, const input_t* x, const residual_t* dresidual,
 #if CN_PARALLEL
          , const output_t* dy1, row_stride_t lddy1, const weight1_t* __restrict__ gamma1, long long gamma1_stride,
          compute_t* __restrict__ dgamma1_part, compute_t* __restrict__ dbeta1_part
-#if CN_LAST_CTA_FINALIZE
+#if CN_GRID_FINALIZE
          , weight1_t* __restrict__ dgamma1, bias1_t* __restrict__ dbeta1
 #endif
 #endif
@@ -259,7 +277,7 @@ norm_bwd(const output_t* dy, const input_t* x, const residual_t* dresidual,
   compute_t* const dgamma1_part = nullptr;
   compute_t* const dbeta1_part = nullptr;
 #endif
-#if CN_LAST_CTA_FINALIZE && !CN_PARALLEL
+#if CN_GRID_FINALIZE && !CN_PARALLEL
   weight1_t* const dgamma1 = nullptr;
   bias1_t* const dbeta1 = nullptr;
 #endif
@@ -459,13 +477,13 @@ norm_bwd(const output_t* dy, const input_t* x, const residual_t* dresidual,
     }
   }
   finish_cluster();
-#if CN_LAST_CTA_FINALIZE
-  finalize_if_last(ticket, parts, heads, dgamma_part, dbeta_part, dgamma, dbeta, dgamma1_part, dbeta1_part, dgamma1,
+#if CN_GRID_FINALIZE
+  finalize_across_grid(ticket, parts, heads, dgamma_part, dbeta_part, dgamma, dbeta, dgamma1_part, dbeta1_part, dgamma1,
                    dbeta1);
 #endif
 }
 
-#if !CN_LAST_CTA_FINALIZE  // (the last CTA of norm_bwd sums the partials instead)
+#if !CN_GRID_FINALIZE  // (norm_bwd's grid sums the partials itself instead)
 // Sums the [parts, COLS] partials column by column into dgamma (weight dtype)
 // and dbeta (bias dtype). A CTA owns 32 * FIN_VEC columns (each lane FIN_VEC
 // neighbours, one vector load per partial row); its warps take interleaved
@@ -566,4 +584,4 @@ norm_bwd_finalize(const compute_t* __restrict__ dgamma_part, const compute_t* __
     }
   }
 }
-#endif  // !CN_LAST_CTA_FINALIZE
+#endif  // !CN_GRID_FINALIZE

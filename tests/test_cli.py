@@ -52,7 +52,7 @@ def test_check_compile_only_json():
     # LayerNorm: sizes x weight dtypes x ops, and the backward's one-launch variants (few rows);
     # attention_delta: sizes x alignment caps.
     assert out["failed"] == 0 and out["ok"] and len(out["variants"]) == 2 * 2 * 2 + 2 * 2 + 2 * 2
-    assert sum(" last-cta-finalize " in v["label"] for v in out["variants"]) == 2 * 2
+    assert sum(" grid-finalize " in v["label"] for v in out["variants"]) == 2 * 2
     assert out["compiled"] == len(out["variants"]) and out["refused"] == 0
     assert all(v["verdict"] == "clean" and v["spills"] is False for v in out["variants"])
 

@@ -171,7 +171,7 @@ def test_branch_variants_compile():
              dict(hidden_size=8192, input_dtype="float32", dropout=True, rms=True, has_bias=False),
              # the backwards: dx0 beside dx, with the one-launch sum, from y, general rows
              dict(hidden_size=4096, input_dtype="bfloat16", backward=True, dropout=True, dx0_dtype="float32",
-                  rowscale_dtype="float32", has_residual=True, last_cta_finalize=True),
+                  rowscale_dtype="float32", has_residual=True, grid_finalize=True),
              dict(hidden_size=1024, input_dtype="float16", backward=True, rowscale_dtype="float16", dx0_dtype="float16",
                   from_output=True),
              dict(hidden_size=4097, input_dtype="float32", backward=True, dropout=True, dx0_dtype="bfloat16",

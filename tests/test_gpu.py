@@ -310,7 +310,7 @@ def _spilling_entry_falls_back(zero_centered, rng):
                                                  (4097, "float16", False), (768, "float64", False),
                                                  (128, "bfloat16", True)])
 def test_small_backwards_are_one_launch(n, dtype, per_head, rng, launches):
-    """A backward of few rows sums its partial rows in its last CTA (one
+    """A backward of few rows sums its partial rows itself (one cooperative
     launch, the finalize kernel's work included), a larger one keeps the
     finalize kernel; both against the float64 reference, the one-launch one
     bitwise equal call after call, and the ticket word is back at 0 after

@@ -216,9 +216,9 @@ def test_scratch_is_reused_per_stream_and_never_by_a_graph(rng):
     with torch.cuda.graph(g, stream=s):
         captured = cunorm.layer_norm_backward(dys[0], xs[0], *stats[0], w)
     assert scratch._arenas == before  # the capture took memory of its own
-    # A call with more scratch than s's block holds (a two-launch backward under ARENA_BYTES): the block is
-    # replaced, and the old one freed, before the replay.
-    wide = _tensor((600, 1024), torch.bfloat16, rng)
+    # A call with more scratch than s's block holds (more partial rows, still under ARENA_BYTES): the block
+    # is replaced, and the old one freed, before the replay.
+    wide = _tensor((2000, 1024), torch.bfloat16, rng)
     ones = torch.ones(1024, device="cuda")
     wm, wr = cunorm.layer_norm(wide, return_stats=True)[1:]
     key, _ = plan.call_key((wide, wide, wm, wr, ones, None, None, None), (2, True, None, False, True, None, None))

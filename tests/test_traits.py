@@ -183,25 +183,25 @@ def test_kernels_compile_once_under_concurrent_requests(monkeypatch):
     assert len(calls) == 2
 
 
-def test_last_cta_finalize_is_a_backward_flag_with_column_sums():
+def test_grid_finalize_is_a_backward_flag_with_column_sums():
     """The one-launch backward: a flag of the backward with column sums only;
     its variant launches norm_bwd alone, and its source compiles out the
     finalize kernel (tier B checks the compiled kernels against launches())."""
     from cunorm import render
 
     t = Traits(hidden_size=4096, input_dtype="bfloat16", backward=True, warps_n=4)
-    fused = t.replace(last_cta_finalize=True)
+    fused = t.replace(grid_finalize=True)
     assert set(t.launches()) == {"norm_bwd", "norm_bwd_finalize"} and set(fused.launches()) == {"norm_bwd"}
-    assert "#define CN_LAST_CTA_FINALIZE 0" in render(t) and "#define CN_LAST_CTA_FINALIZE 1" in render(fused)
-    assert "last-cta-finalize" in fused.short() and fused != t and hash(fused) != hash(t)
+    assert "#define CN_GRID_FINALIZE 0" in render(t) and "#define CN_GRID_FINALIZE 1" in render(fused)
+    assert "grid-finalize" in fused.short() and fused != t and hash(fused) != hash(t)
     for changes in (dict(backward=False), dict(has_weight=False, has_bias=False)):
-        with pytest.raises(ValueError, match="LAST_CTA_FINALIZE needs column sums"):
-            t.replace(last_cta_finalize=True, **changes)
+        with pytest.raises(ValueError, match="GRID_FINALIZE needs column sums"):
+            t.replace(grid_finalize=True, **changes)
 
 
 def test_one_launch_policy_and_its_capped_grid():
-    """Which backwards sum in their last CTA (few elements, no clusters, with
-    column sums), and the grid they get: capped at `most` groups, yet always
+    """Which backwards sum their partial rows in one launch (few elements, no clusters, with
+    column sums), and the grid they get: capped at `most` groups, raised to `least`, yet always
     a multiple of the shift period (general rows) and of the heads (weights
     per head), and never more than the rows or the resident CTAs."""
     from types import SimpleNamespace
@@ -224,6 +224,11 @@ def test_one_launch_policy_and_its_capped_grid():
 
     assert prepared(37).grid_groups(kernel, t) == 37
     assert prepared(37).grid_groups(kernel, t, most=8) == 8
+    # One launch: at least `least` CTAs (those past the rows sum with the rest), `fused_parts` at most.
+    assert [plans.fused_parts(r) for r in (1, 37, 128, 256, 512, 1024)] == [32, 32, 64, 64, 128, 128]
+    assert prepared(1).grid_groups(kernel, t, most=32, least=32) == 32
+    assert prepared(37).grid_groups(kernel, t, most=32, least=32) == 32
+    assert prepared(1).grid_groups(kernel, t, most=500, least=200) == 132  # resident CTAs still first
     assert prepared(1000).grid_groups(kernel, t, most=500) == 132  # resident CTAs first
     general = Traits(hidden_size=4097, input_dtype="bfloat16", backward=True, warps_n=4, bytes_per_ldg=16,
                      aligned_rows=False)

@@ -52,13 +52,14 @@ class Prepared:
     def resolve(self, traits, device_id: int, source: str | None = None):
         return plan.resolve(Family, traits, self.base, device_id, source)
 
-    def grid_groups(self, kernel, t: Traits, most: int | None = None) -> int:
+    def grid_groups(self, kernel, t: Traits, most: int | None = None, least: int = 1) -> int:
         """Row groups of a persistent grid: one wave of CTAs (at most `most`
-        groups), each walking many rows; a multiple of the shift period
+        groups; at least `least` where there are fewer rows, the rest with
+        none: a grid-finalize backward's sum), each walking many rows; a multiple of the shift period
         (general kernel), so that every row of a thread sits at the same
         offset from a vector boundary, and (backward with weights per head) of
         the heads, so that every row of a CTA row (warp_m) has the same head."""
-        groups = -(-self.row_count // t.rows_per_cta)
+        groups = max(-(-self.row_count // t.rows_per_cta), least)
         groups = min(groups, kernel.resident_clusters, most or groups)  # a group is one cluster (CTAS_PER_ROW CTAs)
         x = self.rows["x"]
         period = 1 if t.aligned_rows else layout.shift_period(x.ld, x.rows, t.elts_per_ldg)
@@ -69,26 +70,35 @@ class Prepared:
         return max(step, groups // step * step)
 
 
-# A backward small enough to be bound by its launches sums its partial rows in its last CTA (one launch;
-# `Traits.last_cta_finalize`): at most FUSE_ROW_ELEMENTS elements, one CTA per row, on a grid capped so that
-# the last CTA reads at most FUSE_PART_ELEMENTS partial sums of each quantity. Larger calls keep
-# norm_bwd_finalize, whose many CTAs pay for its launch.
-FUSE_ROW_ELEMENTS = 1 << 19
-FUSE_PART_ELEMENTS = 1 << 17
+# A backward of at most FUSE_ROW_ELEMENTS elements sums its partial rows itself (one cooperative launch, a
+# grid-wide barrier between the rows and the sum; `Traits.grid_finalize`). Its grid has `fused_parts` partial
+# rows, and at least FUSE_LEAST_GROUPS CTAs (those past the rows add rows of zeros) so that the sum is
+# spread wide. Measured on an H100 (bf16, N = 4096, kernel time; PERFORMANCE.md, version 28): within 0.8
+# µs of two launches up to 256 rows, 1.2-2.3 µs under them at 512-1024, 7 µs over at 2048; and a launch
+# less of host time per call. Larger calls keep norm_bwd_finalize, whose many CTAs pay for its launch.
+FUSE_ROW_ELEMENTS = 1 << 22
+FUSE_LEAST_GROUPS = 32
+
+
+def fused_parts(row_count: int) -> int:
+    """Partial rows of a one-launch backward: about sqrt(16 * rows), a power of 2, balancing the rows each
+    CTA walks against the partial rows the grid sums (measured best: 64 at 128-256 rows, 128 at 512-1024);
+    at least FUSE_LEAST_GROUPS."""
+    return max(FUSE_LEAST_GROUPS, 1 << math.ceil(math.log2(math.sqrt(16 * max(1, row_count)))))
 
 
 def one_launch(t: Traits, row_count: int) -> bool:
-    """Whether a backward of `row_count` rows with traits `t` sums its partial rows in its last CTA."""
+    """Whether a backward of `row_count` rows with traits `t` sums its partial rows in its own launch."""
     return (t.backward and (t.has_weight or t.has_bias) and not t.uses_cluster
             and row_count * t.hidden_size <= FUSE_ROW_ELEMENTS)
 
 
-def _last_cta_finalize(p: Prepared, t: Traits, device_id: int, source: str | None) -> tuple:
+def _grid_finalize(p: Prepared, t: Traits, device_id: int, source: str | None) -> tuple:
     """(traits, kernels) of the one-launch backward of this call, or (None, None) where it keeps the
     finalize kernel: large calls, clusters, an edited kernel file, a variant that spills."""
     if source is not None or not one_launch(t, p.row_count):
         return None, None
-    fused = t.replace(last_cta_finalize=True)
+    fused = t.replace(grid_finalize=True)
     kernels = plan.kernels_for(fused, device_id)
     if kernels["norm_bwd"].local_bytes:
         return None, None
@@ -381,12 +391,16 @@ def backward_plan(args: dict, base: dict, traits, rms: bool, source: str | None 
     launches, scratch, zeros = [], [], []
     sums = t.has_weight or t.has_bias
     if p.row_count:
-        fused, fused_kernels = _last_cta_finalize(p, t, device, source)
+        rows_per_part = t.rows_per_cta if t.per_head else 1  # partial rows: per CTA row, or per CTA
+        most = max(1, fused_parts(p.row_count) // rows_per_part)
+        fused, fused_kernels = _grid_finalize(p, t, device, source)
+        if fused is not None and p.grid_groups(fused_kernels["norm_bwd"], fused, most, FUSE_LEAST_GROUPS) > \
+                fused_kernels["norm_bwd"].resident_clusters:  # whole periods or heads past one wave: not at once
+            fused = None
         if fused is not None:
             t, kernels = fused, fused_kernels
         k = kernels["norm_bwd"]
-        rows_per_part = t.rows_per_cta if t.per_head else 1  # partial rows: per CTA row, or per CTA
-        groups = p.grid_groups(k, t, max(1, FUSE_PART_ELEMENTS // (n * rows_per_part)) if fused else None)
+        groups = p.grid_groups(k, t, most, FUSE_LEAST_GROUPS) if fused else p.grid_groups(k, t)
         parts = groups * rows_per_part
         if sums:  # column sums, one [parts, N] compute_t block each for dgamma and dbeta (and the second's)
             part_bytes = dtypes.itemsize(t.compute_dtype) * parts * n
@@ -404,7 +418,8 @@ def backward_plan(args: dict, base: dict, traits, rms: bool, source: str | None 
             + ([("ptr", "dy1"), _ld(p.rows["dy1"], t), ("ptr", "weight1"), ("i64", w1_stride), ("ptr", "dgamma1_part"),
                 ("ptr", "dbeta1_part")] + ([("ptr", "dweight1"), ("ptr", "dbias1")] if fused else [])
                if t.parallel else [])
-            + ([("ptr", "dx1"), _ld(p.rows["dx1"], t)] if t.dx1_dtype is not None else [])))
+            + ([("ptr", "dx1"), _ld(p.rows["dx1"], t)] if t.dx1_dtype is not None else []),
+            cooperative=fused is not None))
         if sums and fused is None:
             fin = kernels["norm_bwd_finalize"]
             launches.append(Launch(fin, -(-n // t.finalize_cols_per_cta) * p.heads, [

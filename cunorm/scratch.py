@@ -11,7 +11,7 @@ from __future__ import annotations
 # for every kind: whoever began the capture, torch's private graph pool or not, a freed block could be
 # handed out again before a replay). Nor does a call above ARENA_BYTES (GPU-bound: a fresh allocation costs
 # nothing there). An arena starts with CONTROL_BYTES of words that kernels keep at 0 between launches (the
-# backward's last-CTA ticket): zeroed once, when the arena is made, and never part of a call's scratch.
+# backward's grid-barrier ticket): zeroed once, when the arena is made, and never part of a call's scratch.
 ARENA_BYTES = 4 << 20
 CONTROL_BYTES = 256
 MAX_ARENAS = 16

@@ -173,9 +173,9 @@ __device__ __forceinline__ void finalize_across_grid(unsigned* ticket, int parts
                                                      weight_t* dgamma, bias_t* dbeta, const compute_t* g1part,
                                                      const compute_t* b1part, weight1_t* dgamma1, bias1_t* dbeta1) {
   using SumVec = Vec<compute_t, LAST_VEC>;
-  __threadfence();  // this thread's partial sums, device-visible before the ticket
-  __syncthreads();
+  __syncthreads();  // the CTA's partial sums written, then published at GPU scope by the fence before the ticket
   if (threadIdx.x == 0) {
+    __threadfence();
     atomicAdd(ticket, 1u);
     while (load_acquire(ticket) < gridDim.x) __nanosleep(32);
   }

@@ -391,9 +391,9 @@ struct RowPipe {
 
 // Walks this CTA's rows (a persistent grid: row groups group, group + groups,
 // ...), keeping STAGES - 1 rows of every pipe in flight, and calls
-// body(row, row_ok, stage) once the stage holding `row` has landed. Every CTA
-// runs the same number of iterations (the body may hold barriers); rows past
-// the end arrive as zeros and are not to be stored.
+// body(row, row_ok, stage) once the stage holding `row` has landed. Every
+// thread of a CTA runs the same number of iterations (the body may hold
+// barriers); rows past the end arrive as zeros and are not to be stored.
 template <typename Body, typename... Pipes>
 __device__ __forceinline__ void for_each_row(long long rows, const Coords& at, Body&& body, Pipes&... pipes) {
   const long long stride = at.groups * ROWS_PER_CTA;

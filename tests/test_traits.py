@@ -225,7 +225,12 @@ def test_one_launch_policy_and_its_capped_grid():
     assert prepared(37).grid_groups(kernel, t) == 37
     assert prepared(37).grid_groups(kernel, t, most=8) == 8
     # One launch: at least `least` CTAs (those past the rows sum with the rest), `fused_parts` at most.
-    assert [plans.fused_parts(r) for r in (1, 37, 128, 256, 512, 1024)] == [32, 32, 64, 64, 128, 128]
+    assert [plans.fused_parts(t, r)[0] for r in (1, 37, 128, 256, 512, 1024)] == [32, 32, 64, 64, 128, 128]
+    # Capped by the stream's block of working memory: fp32 sums of two quantities of 65536 columns fit 8
+    # rows, four quantities (a second weight) of 4096 columns fit 64.
+    wide = SimpleNamespace(parallel=False, compute_dtype="float32", hidden_size=65536)
+    assert plans.fused_parts(wide, 1) == (8, 8)
+    assert plans.fused_parts(t.replace(weight1_dtype="bfloat16"), 1024) == (64, 64)
     assert prepared(1).grid_groups(kernel, t, most=32, least=32) == 32
     assert prepared(37).grid_groups(kernel, t, most=32, least=32) == 32
     assert prepared(1).grid_groups(kernel, t, most=500, least=200) == 132  # resident CTAs still first

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .. import dispatch, dtypes, layout, plan
+from .. import dispatch, dtypes, layout, plan, scratch
 from ..launch import CallPlan, Launch, Output, span
 from ..traits import QUANT_GROUP_COLS, Traits
 from .calls import BACKWARD, BRANCH_ARRAYS, FORWARD, Direction
@@ -72,19 +72,24 @@ class Prepared:
 
 # A backward of at most FUSE_ROW_ELEMENTS elements sums its partial rows itself (one cooperative launch, a
 # grid-wide barrier between the rows and the sum; `Traits.grid_finalize`). Its grid has `fused_parts` partial
-# rows, and at least FUSE_LEAST_GROUPS CTAs (those past the rows add rows of zeros) so that the sum is
-# spread wide. Measured on an H100 (bf16, N = 4096, kernel time; PERFORMANCE.md, version 28): within 0.8
+# rows, at least FUSE_LEAST_GROUPS CTAs where they fit (those past the rows add rows of zeros) so that the
+# sum is spread wide. Measured on an H100 (bf16, N = 4096, kernel time; PERFORMANCE.md, version 28): within 0.8
 # µs of two launches up to 256 rows, 1.2-2.3 µs under them at 512-1024, 7 µs over at 2048; and a launch
 # less of host time per call. Larger calls keep norm_bwd_finalize, whose many CTAs pay for its launch.
 FUSE_ROW_ELEMENTS = 1 << 22
 FUSE_LEAST_GROUPS = 32
 
 
-def fused_parts(row_count: int) -> int:
-    """Partial rows of a one-launch backward: about sqrt(16 * rows), a power of 2, balancing the rows each
-    CTA walks against the partial rows the grid sums (measured best: 64 at 128-256 rows, 128 at 512-1024);
-    at least FUSE_LEAST_GROUPS."""
-    return max(FUSE_LEAST_GROUPS, 1 << math.ceil(math.log2(math.sqrt(16 * max(1, row_count)))))
+def fused_parts(t: Traits, row_count: int) -> tuple:
+    """(wanted, fitting) partial rows of a one-launch backward. Wanted: about sqrt(16 * rows), a power of
+    2, balancing the rows each CTA walks against the partial rows the grid sums (measured best at N = 4096:
+    64 at 128-256 rows, 128 at 512-1024), at least FUSE_LEAST_GROUPS; at most the fitting ones, those whose
+    sums fit the stream's block of working memory (scratch.ARENA_BYTES: a larger call would allocate, and
+    clear its ticket, every time)."""
+    quantities = 4 if t.parallel else 2
+    fits = max(1, scratch.ARENA_BYTES // quantities // (dtypes.itemsize(t.compute_dtype) * t.hidden_size))
+    wanted = max(FUSE_LEAST_GROUPS, 1 << math.ceil(math.log2(math.sqrt(16 * max(1, row_count)))))
+    return min(wanted, fits), fits
 
 
 def one_launch(t: Traits, row_count: int) -> bool:
@@ -392,15 +397,16 @@ def backward_plan(args: dict, base: dict, traits, rms: bool, source: str | None 
     sums = t.has_weight or t.has_bias
     if p.row_count:
         rows_per_part = t.rows_per_cta if t.per_head else 1  # partial rows: per CTA row, or per CTA
-        most = max(1, fused_parts(p.row_count) // rows_per_part)
+        wanted, fits = fused_parts(t, p.row_count)
+        most, least = max(1, wanted // rows_per_part), max(1, min(FUSE_LEAST_GROUPS, fits // rows_per_part))
         fused, fused_kernels = _grid_finalize(p, t, device, source)
-        if fused is not None and p.grid_groups(fused_kernels["norm_bwd"], fused, most, FUSE_LEAST_GROUPS) > \
+        if fused is not None and p.grid_groups(fused_kernels["norm_bwd"], fused, most, least) > \
                 fused_kernels["norm_bwd"].resident_clusters:  # whole periods or heads past one wave: not at once
             fused = None
         if fused is not None:
             t, kernels = fused, fused_kernels
         k = kernels["norm_bwd"]
-        groups = p.grid_groups(k, t, most, FUSE_LEAST_GROUPS) if fused else p.grid_groups(k, t)
+        groups = p.grid_groups(k, t, most, least) if fused else p.grid_groups(k, t)
         parts = groups * rows_per_part
         if sums:  # column sums, one [parts, N] compute_t block each for dgamma and dbeta (and the second's)
             part_bytes = dtypes.itemsize(t.compute_dtype) * parts * n

@@ -20,7 +20,9 @@ def test_the_sanitizer_sweep_covers_every_op_at_few_rows_and_parses_its_shard():
 
     sweep = _script("sanitize_sweep")
     cases = sweep.sweep_cases(rows=3)
-    assert len(cases) == len(set(cases)) > 1000 and {c.rows for c in cases} == {3}
+    assert len(cases) == len(set(cases)) > 1000 and {c.rows for c in cases if not c.heads} == {3}
+    # Per-head cases at the fewest whole [2, rows / (2 heads), heads] blocks: each has a leading shape.
+    assert all(c.rows == 2 * c.heads and c.lead == (2, 1, c.heads) for c in cases if c.heads)
     assert {c.op for c in cases} == set(check.OPS)
     assert any(c.layout for c in cases) and any(c.hidden_size % 8 for c in cases)  # the general kernel too
     assert sweep.shard("1/4") == (1, 4)

@@ -116,8 +116,9 @@ def explain(op, *args, arch: int | str | None = None, **kwargs) -> Explanation:
     if backward and source is None and plans.one_launch(t, p.row_count):
         reasons.append(f"one launch: {p.row_count} rows of {t.hidden_size} are few enough that the grid sums "
                        f"its partial rows into dweight/dbias itself after a grid-wide barrier (a cooperative "
-                       f"launch; no finalize kernel), on a capped grid (unless that variant spills: then two "
-                       f"launches)")
+                       f"launch; no finalize kernel), on a grid of at least a few dozen CTAs and a capped number "
+                       f"of partial rows (unless that variant spills or its grid cannot all be resident: then "
+                       f"two launches)")
     if origin == "tuned":
         neighbour = dispatch.tuned_neighbour(t.hidden_size, t.input_dtype)
         general = not t.aligned_rows and dispatch.tuned_knobs(t.backward, neighbour, t.input_dtype, general=True)

@@ -372,6 +372,8 @@ class Traits:
         rule(self.backward or not self.from_output, "from_output is a backward flag")
         rule(not self.grid_finalize or (self.backward and (self.has_weight or self.has_bias)),
              "GRID_FINALIZE needs column sums (a backward with a weight or a bias)")
+        rule(not self.grid_finalize or self.ctas_per_row == 1,
+             "GRID_FINALIZE needs CTAS_PER_ROW == 1 (a cooperative grid of whole-row CTAs, no clusters)")
         rule(not self.dropout_mask or (self.dropout and not self.backward), "a dropout mask needs a forward's dropout")
         rule((self.dx0_dtype is not None) == (self.backward and self.branch),
              "dx0_dtype is given exactly for a backward with dropout or a row scale")

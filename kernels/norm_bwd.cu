@@ -27,6 +27,7 @@ constexpr bool FROM_OUTPUT = CN_FROM_OUTPUT;
 #define CN_GRID_FINALIZE ${GRID_FINALIZE}
 constexpr bool GRID_FINALIZE = CN_GRID_FINALIZE;
 static_assert(!GRID_FINALIZE || HAS_WEIGHT || HAS_BIAS, "GRID_FINALIZE needs column sums");
+static_assert(!GRID_FINALIZE || CTAS_PER_ROW == 1, "GRID_FINALIZE needs CTAS_PER_ROW == 1 (no clusters)");
 // The forward's branch (dropout, a row scale before the residual add; see norm_fwd.cu): dx is h's
 // gradient (the residual's), and dx0 = dx * keep / (1 - p) * rowscale[row] the branch input's, the keep
 // mask drawn again from the seed (cn_keep_bits).

@@ -154,14 +154,20 @@ def test_other_producers_come_back_as_cupy_arrays(rng):
 
 @pytest.fixture
 def launches(monkeypatch):
-    """Every kernel launch from here on, as (Kernel, grid, stream pointer)."""
+    """Every kernel launch from here on, as (Kernel, grid, stream pointer); `.cooperative` says, launch by
+    launch, whether it went through cuLaunchCooperativeKernel."""
     from cunorm import launch
 
-    seen = []
+    class Seen(list):
+        cooperative: list
+
+    seen = Seen()
+    seen.cooperative = []
     original = launch.Launch.__call__
 
     def spy(self, values, stream):
         seen.append((self.kernel, self.grid, stream))
+        seen.cooperative.append(self.cooperative)
         return original(self, values, stream)
 
     monkeypatch.setattr(launch.Launch, "__call__", spy)
@@ -328,10 +334,11 @@ def test_small_backwards_are_one_launch(n, dtype, per_head, rng, launches):
         dy = cupy.asarray(rng.standard_normal(shape).astype(dtypes.numpy_dtype(dtype)))
         w = cupy.asarray(rng.standard_normal(shape[-2:] if per_head else (n,)).astype(np.float32))
         _, mean, rstd = cunorm.layer_norm(x, w, return_stats=True)
-        del launches[:]
+        del launches[:], launches.cooperative[:]
         with check.poisoned_allocations():
             first = cunorm.layer_norm_backward(dy, x, mean, rstd, w)
         assert len(launches) == launched
+        assert launches.cooperative == ([True] if launched == 1 else [False, False])  # a grid barrier: all resident
         want = cunorm.reference.layer_norm_backward(dy, x, mean, rstd, w)
         for got, ref in zip(first, want):
             assert check.rel_l2(got, ref) < check.tolerance(dtypes.name_of(got.dtype), dtype)

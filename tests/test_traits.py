@@ -197,6 +197,8 @@ def test_grid_finalize_is_a_backward_flag_with_column_sums():
     for changes in (dict(backward=False), dict(has_weight=False, has_bias=False)):
         with pytest.raises(ValueError, match="GRID_FINALIZE needs column sums"):
             t.replace(grid_finalize=True, **changes)
+    with pytest.raises(ValueError, match="GRID_FINALIZE needs CTAS_PER_ROW == 1"):
+        t.replace(grid_finalize=True, ctas_per_row=2, warps_n=2)
 
 
 def test_one_launch_policy_and_its_capped_grid():

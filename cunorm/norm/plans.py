@@ -73,9 +73,10 @@ class Prepared:
 # A backward of at most FUSE_ROW_ELEMENTS elements sums its partial rows itself (one cooperative launch, a
 # grid-wide barrier between the rows and the sum; `Traits.grid_finalize`). Its grid has `fused_parts` partial
 # rows, at least FUSE_LEAST_GROUPS CTAs where they fit (those past the rows add rows of zeros) so that the
-# sum is spread wide. Measured on an H100 (bf16, N = 4096, kernel time; PERFORMANCE.md, version 28): within 0.8
-# µs of two launches up to 256 rows, 1.2-2.3 µs under them at 512-1024, 7 µs over at 2048; and a launch
-# less of host time per call. Larger calls keep norm_bwd_finalize, whose many CTAs pay for its launch.
+# sum is spread wide. Measured on an H100 (bf16, N = 4096, kernel time; PERFORMANCE.md, version 28):
+# within 0.8 µs of two launches up to 256 rows, LayerNorm 1.8-2.3 µs under them at 512-1024 (RMSNorm 1.2
+# under, then 0.15 over), 7 µs over at 2048; and a launch less of host time per call. Larger calls keep
+# norm_bwd_finalize, whose many CTAs pay for its launch.
 FUSE_ROW_ELEMENTS = 1 << 22
 FUSE_LEAST_GROUPS = 32
 

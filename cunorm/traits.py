@@ -355,6 +355,7 @@ class Traits:
              f"load ({self.elts_per_ldg})")
         rule(self.ctas_per_row in (1, 2, 4, 8), "CTAS_PER_ROW must be 1, 2, 4 or 8 (a portable cluster)")
         rule(self.ctas_per_row == 1 or self.warps_m == 1, "several CTAs per row need WARPS_M == 1")
+        rule(self.warps_n == 1 or self.warps_m < 16, "rows of several warps need WARPS_M < 16 (a named barrier each)")
         rule(self.lanes_per_row in LANES_PER_ROW, "LANES_PER_ROW must be 4, 8, 16 or 32")
         rule(self.lanes_per_row == THREADS_PER_WARP or (self.warps_n == 1 and self.ctas_per_row == 1),
              "several rows a warp (LANES_PER_ROW < 32) need WARPS_N == 1 and CTAS_PER_ROW == 1")

@@ -217,33 +217,53 @@ norm_fwd(const input_t* x, const residual_t* residual, const weight_t* __restric
       reducer.allreduce(sum, at);
       mean = sum[0] * inv_cols;
     }
-    compute_t sq[1] = {0};
-    with_edges(at, [&](auto edges) {
-      constexpr bool EDGES = decltype(edges)::value;
+    // The sum of squared deviations (RMSNorm: of h), each multiplied by SCALE first.
+    auto sum_squares = [&](auto scale, auto row_only, compute_t (&total)[1]) {
+      constexpr compute_t SCALE = decltype(scale)::value;
+      with_edges(at, [&](auto edges) {
+        constexpr bool EDGES = decltype(edges)::value;
 #pragma unroll
-      for (int it = 0; it < LDGS; ++it) {
-        if (!at.in_row(it)) continue;
-        if (RMS || whole<EDGES>(it, at)) {  // RMSNorm: padding holds 0, which adds nothing
+        for (int it = 0; it < LDGS; ++it) {
+          if (!at.in_row(it)) continue;
+          if (RMS || whole<EDGES>(it, at)) {  // RMSNorm: padding holds 0, which adds nothing
 #pragma unroll
-          for (int e = 0; e < ELTS_PER_LDG; ++e) {
-            const compute_t d = value(it, e) - mean;
-            sq[0] = cn_fma(d, d, sq[0]);
-          }
-        } else {  // a row end (general kernel): padding holds 0, not the mean
+            for (int e = 0; e < ELTS_PER_LDG; ++e) {
+              const compute_t d = SCALE == 1 ? value(it, e) - mean : (value(it, e) - mean) * SCALE;
+              total[0] = cn_fma(d, d, total[0]);
+            }
+          } else {  // a row end (general kernel): padding holds 0, not the mean
 #pragma unroll
-          for (int e = 0; e < ELTS_PER_LDG; ++e) {
-            const compute_t d = at.valid(it, e) ? value(it, e) - mean : compute_t(0);
-            sq[0] = cn_fma(d, d, sq[0]);
+            for (int e = 0; e < ELTS_PER_LDG; ++e) {
+              const compute_t d = at.valid(it, e) ? (SCALE == 1 ? value(it, e) - mean : (value(it, e) - mean) * SCALE)
+                                                  : compute_t(0);
+              total[0] = cn_fma(d, d, total[0]);
+            }
           }
         }
-      }
-    });
-    reducer.allreduce(sq, at);
+      });
+      reducer.template allreduce<decltype(row_only)::value>(total, at);
+    };
+    compute_t sq[1] = {0};
+    sum_squares(PowerOfTwo<0>(), Flag<false>(), sq);
     // A row holding inf or NaN has a sum of squares that is not finite: all of its outputs, mean and rstd
     // included, are NaN (documented; RMSNorm would otherwise give rstd = 0 and zeros beside the NaN).
-    const bool finite = cn_isfinite(sq[0]);
-    const compute_t rstd = finite ? cn_rsqrt(sq[0] * inv_cols + eps) : cn_nan<compute_t>();
-    if (!finite) mean = rstd;
+    bool finite = cn_isfinite(sq[0]);
+    compute_t rstd = finite ? cn_rsqrt(sq[0] * inv_cols + eps) : cn_nan<compute_t>();
+    if constexpr (sizeof(compute_t) == 4) {
+      // So do finite rows whose squares overflow fp32 (deviations of about sqrt(3.4e38 / N) and more): such
+      // rows, rare, are summed again with each deviation scaled by 2^-96 (exact; no finite one overflows
+      // then, and what underflows is below 2^-40 of the sum). Only such rows' warps (and those sharing
+      // their shuffles) take the branch: the CTA's other rows skip it.
+      if (reducer.row_group_any(!finite)) {
+        compute_t scaled[1] = {0};
+        sum_squares(PowerOfTwo<-96>(), Flag<true>(), scaled);
+        if (!finite && cn_isfinite(scaled[0])) {
+          constexpr compute_t UNSCALE = PowerOfTwo<-96>::value;  // var + eps = (scaled/N + eps UNSCALE^2) / UNSCALE^2
+          rstd = UNSCALE * cn_rsqrt(scaled[0] * inv_cols + eps * UNSCALE * UNSCALE);
+          finite = true;
+        }
+      }
+    }
     // xhat of element e of LDG step `it`: (h - mean) * rstd, not h * rstd - mean * rstd: exact even when
     // |mean| >> std. A row of one element normalizes to 0 (y = beta), whatever eps. NaN rows stay NaN.
     auto xhat_at = [&](int it, int e) -> compute_t {
@@ -343,7 +363,7 @@ norm_fwd(const input_t* x, const residual_t* residual, const weight_t* __restric
         }
       });
       if (at.row_leader()) {
-        if (mean_out) mean_out[row] = mean;
+        if (mean_out) mean_out[row] = finite ? mean : rstd;  // NaN rows: NaN
         if (rstd_out) rstd_out[row] = rstd;
       }
     }

@@ -221,6 +221,18 @@ struct Flag {
   static constexpr bool value = B;
 };
 
+// 2^E in compute_t as a compile-time value, for generic lambdas.
+__host__ __device__ constexpr compute_t power_of_two(int e) {
+  compute_t v = 1;
+  for (; e > 0; --e) v *= 2;
+  for (; e < 0; ++e) v /= 2;
+  return v;
+}
+template <int E>
+struct PowerOfTwo {
+  static constexpr compute_t value = power_of_two(E);
+};
+
 // Runs f(Flag<EDGES>()) with EDGES = at.edge: warps with no vector across a
 // row end run code in which a vector in the row is wholly in it, with the
 // element-wise paths compiled out (every warp of the aligned kernel). The
@@ -475,6 +487,12 @@ struct RowWeights {
   }
 };
 
+// A barrier over the WARPS_N warps of warp row `warp_m` (barrier 0 is __syncthreads').
+__device__ __forceinline__ void row_barrier(int warp_m) {
+  static_assert(WARPS_N == 1 || WARPS_M < 16, "a named barrier for each warp row: at most 15 of them");
+  asm volatile("bar.sync %0, %1;" ::"r"(1 + warp_m), "n"(WARPS_N * 32) : "memory");
+}
+
 // Sums K values over the threads of one row (its LANES_PER_ROW lanes of all
 // WARPS_N warps, and all CTAS_PER_ROW CTAs of a cluster); every thread of the
 // row gets the same bits.
@@ -499,6 +517,8 @@ struct RowReducer {
     else return warp_sum<LANES_PER_ROW>(v);
   }
 
+  // ROW_ONLY: the threads of other rows of the CTA need not take part (its barrier is the row's own warps').
+  template <bool ROW_ONLY = false>
   __device__ __forceinline__ void allreduce(compute_t (&v)[K], const Coords& at) {
 #pragma unroll
     for (int k = 0; k < K; ++k) v[k] = combine_warp(v[k]);
@@ -507,7 +527,8 @@ struct RowReducer {
 #pragma unroll
         for (int k = 0; k < K; ++k) warp_partials[parity][at.warp_m][at.warp_n][k] = v[k];
       }
-      __syncthreads();
+      if constexpr (ROW_ONLY && WARPS_M > 1) row_barrier(at.warp_m);
+      else __syncthreads();
 #pragma unroll
       for (int k = 0; k < K; ++k) {
         compute_t s = 0;
@@ -531,6 +552,14 @@ struct RowReducer {
       }
     }
     parity ^= 1;
+  }
+
+  // Whether `flag`, the same for every thread of a row, holds for any row that shares this row's shuffles
+  // (several rows a warp): those rows' threads get the same answer, so a branch on it may hold a
+  // reduction over the row's own threads (allreduce<true>).
+  __device__ __forceinline__ bool row_group_any(bool flag) const {
+    if constexpr (WARPS_N == 1 && CTAS_PER_ROW == 1) return __any_sync(0xffffffffu, flag);
+    else return flag;  // a warp (and a cluster) holds one row
   }
 };
 

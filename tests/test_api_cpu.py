@@ -47,6 +47,26 @@ def test_numpy_float64_is_computed_and_returned_in_float64(rng):
     assert d.dtype == np.float64 and np.allclose(d, (x * dy.astype(np.float32)).sum(-1), rtol=1e-13)
 
 
+def test_numpy_rows_at_the_ends_of_the_range(rng):
+    """The numpy path keeps the GPU's range promise: fp32 rows scaled by 1e18 or 1e-18 normalize as the
+    unscaled ones (eps = 0), and their backward scales as 1 / scale; fp16 rows up to 60000 stay finite."""
+    base = (0.5 + 2 * rng.standard_normal((4, 1000))).astype(np.float32)
+    w = (1 + 0.5 * rng.standard_normal(1000)).astype(np.float32)
+    dy = rng.standard_normal(base.shape).astype(np.float32)
+    for op, backward in ((cunorm.layer_norm, cunorm.layer_norm_backward), (cunorm.rms_norm, cunorm.rms_norm_backward)):
+        y0, *stats0 = op(base, w, eps=0.0, return_stats=True)
+        dx0 = backward(dy, base, *stats0, w)[0]
+        for scale in (1e18, 1e-18):
+            x = (base.astype(np.float64) * scale).astype(np.float32)
+            y, *stats = op(x, w, eps=0.0, return_stats=True)
+            np.testing.assert_allclose(y, y0, rtol=1e-4, atol=1e-5)
+            dx = backward(dy, x, *stats, w)[0]
+            assert np.isfinite(dx).all()
+            np.testing.assert_allclose(dx * np.float64(scale), dx0, rtol=1e-4, atol=1e-5 * np.abs(dx0).max())
+        x16 = rng.uniform(-60000, 60000, size=(4, 1000)).astype(np.float16)
+        assert np.isfinite(op(x16, w.astype(np.float16))).all()
+
+
 def test_numpy_bf16_and_out_dtype(rng):
     x = rng.standard_normal((4, 32)).astype(dtypes.BFLOAT16)
     y = cunorm.layer_norm(x, out_dtype="float32")

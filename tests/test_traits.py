@@ -25,6 +25,7 @@ def test_derived_quantities_match_the_kernel_formulas():
     (dict(hidden_size=1028), "multiple of the elements per load"),
     (dict(ctas_per_row=3), "CTAS_PER_ROW must be 1, 2, 4 or 8"),
     (dict(ctas_per_row=2, warps_m=2), "WARPS_M == 1"),
+    (dict(warps_m=16, warps_n=2), "WARPS_M < 16"),
     (dict(warps_n=1, hidden_size=8192), "register budget"),
     (dict(compute_dtype="float16"), "compute_dtype"),
     (dict(min_ctas_per_sm=0), "MIN_CTAS_PER_SM"),

@@ -20,6 +20,9 @@ from .source import render
 # -default-device: the kernels hold no host code, and their generic lambdas
 # (templated call operators, e.g. with_edges's) must compile as device code.
 NVRTC_OPTIONS = ("-std=c++17", "-default-device")
+# What cupy.RawModule adds to every NVRTC compile (fp32 subnormals flushed to zero): compile_only passes it
+# too, so that its registers and spills are those of the kernels that run.
+RAWMODULE_OPTIONS = ("-ftz=true",)
 
 
 class CompileError(RuntimeError):
@@ -103,7 +106,7 @@ def compile_only(traits, arch: int | str = 90, source: str | None = None) -> Com
     prog = nvrtc.createProgram(text, traits.source_file, [], [])
     try:
         try:
-            nvrtc.compileProgram(prog, [*NVRTC_OPTIONS, f"-arch=sm_{arch}", "--ptxas-options=-v"])
+            nvrtc.compileProgram(prog, [*NVRTC_OPTIONS, *RAWMODULE_OPTIONS, f"-arch=sm_{arch}", "--ptxas-options=-v"])
         except nvrtc.NVRTCError as e:
             log = nvrtc.getProgramLog(prog)
             raise CompileError(f"{traits.short()} failed to compile for sm_{arch}: {e}\n{log}\n"

@@ -91,6 +91,9 @@ template <> __device__ __forceinline__ double from_float<double>(double d) { ret
 // fp32 (fast intrinsics, as before) and fp64 inputs.
 __device__ __forceinline__ float cn_fma(float a, float b, float c) { return fmaf(a, b, c); }
 __device__ __forceinline__ double cn_fma(double a, double b, double c) { return fma(a, b, c); }
+// fma that keeps subnormal results and operands whatever -ftz says (cupy.RawModule compiles with -ftz=true).
+__device__ __forceinline__ float cn_fma_keep_subnormal(float a, float b, float c) { return __fmaf_ieee_rn(a, b, c); }
+__device__ __forceinline__ double cn_fma_keep_subnormal(double a, double b, double c) { return fma(a, b, c); }
 __device__ __forceinline__ float cn_rsqrt(float v) { return rsqrtf(v); }
 __device__ __forceinline__ double cn_rsqrt(double v) { return 1.0 / sqrt(v); }  // correctly rounded steps
 __device__ __forceinline__ bool cn_isfinite(float v) { return (__float_as_uint(v) & 0x7f800000u) != 0x7f800000u; }

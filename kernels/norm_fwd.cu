@@ -217,7 +217,8 @@ norm_fwd(const input_t* x, const residual_t* residual, const weight_t* __restric
       reducer.allreduce(sum, at);
       mean = sum[0] * inv_cols;
     }
-    // The sum of squared deviations (RMSNorm: of h), each multiplied by SCALE first.
+    // The sum of squared deviations (RMSNorm: of h), each multiplied by SCALE first. Squares below fp32's
+    // smallest normal are kept (the kernels build with -ftz=true: a thread's first square would be lost).
     auto sum_squares = [&](auto scale, auto row_only, compute_t (&total)[1]) {
       constexpr compute_t SCALE = decltype(scale)::value;
       with_edges(at, [&](auto edges) {
@@ -229,14 +230,14 @@ norm_fwd(const input_t* x, const residual_t* residual, const weight_t* __restric
 #pragma unroll
             for (int e = 0; e < ELTS_PER_LDG; ++e) {
               const compute_t d = SCALE == 1 ? value(it, e) - mean : (value(it, e) - mean) * SCALE;
-              total[0] = cn_fma(d, d, total[0]);
+              total[0] = cn_fma_keep_subnormal(d, d, total[0]);
             }
           } else {  // a row end (general kernel): padding holds 0, not the mean
 #pragma unroll
             for (int e = 0; e < ELTS_PER_LDG; ++e) {
               const compute_t d = at.valid(it, e) ? (SCALE == 1 ? value(it, e) - mean : (value(it, e) - mean) * SCALE)
                                                   : compute_t(0);
-              total[0] = cn_fma(d, d, total[0]);
+              total[0] = cn_fma_keep_subnormal(d, d, total[0]);
             }
           }
         }
@@ -251,15 +252,17 @@ norm_fwd(const input_t* x, const residual_t* residual, const weight_t* __restric
     compute_t rstd = finite ? cn_rsqrt(sq[0] * inv_cols + eps) : cn_nan<compute_t>();
     if constexpr (sizeof(compute_t) == 4) {
       // So do finite rows whose squares overflow fp32 (deviations of about sqrt(3.4e38 / N) and more): such
-      // rows, rare, are summed again with each deviation scaled by 2^-96 (exact; no finite one overflows
-      // then, and what underflows is below 2^-40 of the sum). Only such rows' warps (and those sharing
-      // their shuffles) take the branch: the CTA's other rows skip it.
+      // rows, rare, are summed again with each deviation scaled by 2^-96 (exact; no scaled deviation
+      // overflows, and what underflows is below 2^-40 of the sum). Only such rows' warps (and those sharing
+      // their shuffles) take the branch: the CTA's other rows skip it. Rows whose rstd would fall below
+      // fp32's smallest normal (std past 2^126), which -ftz=true flushes to 0, stay NaN.
       if (reducer.row_group_any(!finite)) {
         compute_t scaled[1] = {0};
         sum_squares(PowerOfTwo<-96>(), Flag<true>(), scaled);
-        if (!finite && cn_isfinite(scaled[0])) {
-          constexpr compute_t UNSCALE = PowerOfTwo<-96>::value;  // var + eps = (scaled/N + eps UNSCALE^2) / UNSCALE^2
-          rstd = UNSCALE * cn_rsqrt(scaled[0] * inv_cols + eps * UNSCALE * UNSCALE);
+        constexpr compute_t UNSCALE = PowerOfTwo<-96>::value;  // var + eps = (scaled/N + eps UNSCALE^2) / UNSCALE^2
+        const compute_t r = cn_rsqrt(scaled[0] * inv_cols + eps * UNSCALE * UNSCALE);
+        if (!finite && cn_isfinite(scaled[0]) && r >= PowerOfTwo<-30>::value) {
+          rstd = UNSCALE * r;
           finite = true;
         }
       }

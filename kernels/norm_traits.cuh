@@ -487,10 +487,11 @@ struct RowWeights {
   }
 };
 
-// A barrier over the WARPS_N warps of warp row `warp_m` (barrier 0 is __syncthreads').
+// A barrier over the WARPS_N warps of warp row `warp_m` (barrier 0 is __syncthreads'). Not the .aligned
+// form: other warp rows of the CTA may skip the code that holds it.
 __device__ __forceinline__ void row_barrier(int warp_m) {
   static_assert(WARPS_N == 1 || WARPS_M < 16, "a named barrier for each warp row: at most 15 of them");
-  asm volatile("bar.sync %0, %1;" ::"r"(1 + warp_m), "n"(WARPS_N * 32) : "memory");
+  asm volatile("barrier.sync %0, %1;" ::"r"(1 + warp_m), "n"(WARPS_N * 32) : "memory");
 }
 
 // Sums K values over the threads of one row (its LANES_PER_ROW lanes of all
@@ -498,7 +499,9 @@ __device__ __forceinline__ void row_barrier(int warp_m) {
 // row gets the same bits.
 // Partials are added in a fixed order, so results are reproducible run to run.
 // Two scratch buffers alternate: a buffer is rewritten only after a later
-// barrier that every reader of its previous contents has passed.
+// barrier that every reader of its previous contents has passed. Each warp row
+// reads and writes only its own slots, so its parity is its own (a row-only
+// reduction flips it for that warp row alone).
 template <int K, bool MAX = false>  // MAX: the maximum of non-negative values (fp8 scaling) instead of the sum
 struct RowReducer {
   compute_t (*warp_partials)[WARPS_M][WARPS_N][K];

@@ -48,8 +48,9 @@ def test_numpy_float64_is_computed_and_returned_in_float64(rng):
 
 
 def test_numpy_rows_at_the_ends_of_the_range(rng):
-    """The numpy path keeps the GPU's range promise: fp32 rows scaled by 1e18 or 1e-18 normalize as the
-    unscaled ones (eps = 0), and their backward scales as 1 / scale; fp16 rows up to 60000 stay finite."""
+    """The numpy path (float64 throughout) meets the range the README promises for the GPU: fp32 rows
+    scaled by 1e18 or 1e-18 normalize as the unscaled ones (eps = 0), and their backward scales as
+    1 / scale; fp16 rows up to 60000 stay finite."""
     base = (0.5 + 2 * rng.standard_normal((4, 1000))).astype(np.float32)
     w = (1 + 0.5 * rng.standard_normal(1000)).astype(np.float32)
     dy = rng.standard_normal(base.shape).astype(np.float32)

@@ -42,3 +42,19 @@ def test_the_codegen_digest_is_stable_and_tells_variants_apart():
     first = digest.digest(t, 90)
     assert len(first) == 16 and first == digest.digest(t, 90)
     assert first != digest.digest(t.replace(stages=3), 90) and first != digest.digest(t, 80)
+
+
+def test_the_tier_shards_keep_each_test_function_whole_and_count_what_ran():
+    spec = importlib.util.spec_from_file_location("pytest_shards", ROOT / "scripts" / "pytest_shards.py")
+    shards = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(shards)
+    ids = [f"tests/t.py::f{i}[{j}]" for i in range(7) for j in range(i + 1)] + ["tests/t.py::plain"]
+    dealt = shards.deal(ids, 3)
+    assert sorted(sum(dealt, [])) == sorted(ids) and len(dealt) == 3
+    owner = {shards.function_of(node): k for k, shard in enumerate(dealt) for node in shard}
+    assert all(owner[shards.function_of(node)] == k for k, shard in enumerate(dealt) for node in shard)
+    assert max(map(len, dealt)) - min(map(len, dealt)) <= 7  # within the largest function's size
+    assert shards.deal(ids[:2], 4) == [[ids[0]], [ids[1]]]  # no empty shards
+    assert shards.ran("..s.F\n2 passed, 1 skipped, 1 failed in 3.2s\n") == 4
+    assert shards.ran("1 failed, 3 passed, 2 errors in 1.0s (0:00:01)") == 6
+    assert shards.ran("collection interrupted") == 0

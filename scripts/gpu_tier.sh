@@ -38,11 +38,20 @@ for step in "${steps[@]}"; do
               python3 -c "import nbclient, ipykernel" 2>/dev/null || { [ -d .whl ] &&  # wheels are zips
                 for w in .whl/*.whl; do python3 -m zipfile -e "$w" "$site"; done && export PYTHONPATH=$PYTHONPATH:$site; }
               run notebook python3 scripts/run_notebook.py examples/tour.ipynb; cp examples/tour.ipynb "$OUT/" ;;
-    # Every kernel variant under each compute-sanitizer tool (SWEEP_SHARD=i/k runs a k-th of the cases).
-    sweep) for tool in memcheck racecheck synccheck initcheck; do
-             run "sweep-$tool" compute-sanitizer --tool "$tool" --error-exitcode 99 \
-               python3 scripts/sanitize_sweep.py --shard "${SWEEP_SHARD:-0/1}"
-           done ;;
+    # Every kernel variant under each compute-sanitizer tool, every (tool, shard) pair a process of its own,
+    # all side by side (the tools' cost is mostly on the CPU): SWEEP_SHARDS="0/6 1/6" runs those k-ths of
+    # the cases (SWEEP_SHARD=i/k: one), SWEEP_TOOLS a subset of the four tools. Logs: sweep-TOOL-iofk.txt.
+    sweep) pids=()
+           for tool in ${SWEEP_TOOLS:-memcheck racecheck synccheck initcheck}; do
+             for part in ${SWEEP_SHARDS:-${SWEEP_SHARD:-0/1}}; do
+               ( status=0
+                 run "sweep-$tool-${part/\//of}" compute-sanitizer --tool "$tool" --error-exitcode 99 \
+                   python3 scripts/sanitize_sweep.py --shard "$part" > /dev/null
+                 exit $status ) &
+               pids+=($!)
+             done
+           done
+           for pid in "${pids[@]}"; do wait "$pid" || status=1; done ;;
     *) echo "unknown step $step"; status=2 ;;
   esac
 done

@@ -21,11 +21,7 @@ for step in "${steps[@]}"; do
   case $step in
     # TEST_SHARDS parallel pytest processes, each test function's parametrizations in one (their kernels are
     # compiled once); TEST_SHARDS=1 runs them in one process.
-    tests) if [ "${TEST_SHARDS:-4}" -gt 1 ]; then
-             run tests python3 scripts/pytest_shards.py --shards "${TEST_SHARDS:-4}" --out "$OUT"
-           else
-             run tests python3 -m pytest -q -rs -m gpu tests -p no:cacheprovider
-           fi ;;
+    tests) run tests python3 scripts/pytest_shards.py --shards "${TEST_SHARDS:-4}" --out "$OUT" ;;
     check) run check python3 -m cunorm.cli check ;;
     sanitize) run sanitize compute-sanitizer --tool memcheck --error-exitcode 99 python3 scripts/sanitize_sample.py ;;
     racecheck) run racecheck compute-sanitizer --tool racecheck --error-exitcode 99 python3 scripts/sanitize_sample.py ;;

@@ -8,7 +8,6 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _script(name: str):
-    pytest.importorskip("cupy", reason="the sweep imports CuPy at its top (to turn the pool off first)")
     spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -18,6 +17,7 @@ def _script(name: str):
 def test_the_sanitizer_sweep_covers_every_op_at_few_rows_and_parses_its_shard():
     from cunorm import check
 
+    pytest.importorskip("cupy", reason="the sweep imports CuPy at its top (to turn the pool off first)")
     sweep = _script("sanitize_sweep")
     cases = sweep.sweep_cases(rows=3)
     assert len(cases) == len(set(cases)) > 1000 and {c.rows for c in cases if not c.heads} == {3}
@@ -35,9 +35,7 @@ def test_the_sanitizer_sweep_covers_every_op_at_few_rows_and_parses_its_shard():
 def test_the_codegen_digest_is_stable_and_tells_variants_apart():
     from cunorm import Traits
 
-    spec = importlib.util.spec_from_file_location("codegen_digest", ROOT / "scripts" / "codegen_digest.py")
-    digest = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(digest)
+    digest = _script("codegen_digest")
     t = Traits(hidden_size=1024, input_dtype="bfloat16", warps_n=4)
     first = digest.digest(t, 90)
     assert len(first) == 16 and first == digest.digest(t, 90)
@@ -45,9 +43,7 @@ def test_the_codegen_digest_is_stable_and_tells_variants_apart():
 
 
 def test_the_tier_shards_keep_each_test_function_whole_and_count_what_ran():
-    spec = importlib.util.spec_from_file_location("pytest_shards", ROOT / "scripts" / "pytest_shards.py")
-    shards = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(shards)
+    shards = _script("pytest_shards")
     ids = [f"tests/t.py::f{i}[{j}]" for i in range(7) for j in range(i + 1)] + ["tests/t.py::plain"]
     dealt = shards.deal(ids, 3)
     assert sorted(sum(dealt, [])) == sorted(ids) and len(dealt) == 3

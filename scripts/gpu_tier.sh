@@ -34,12 +34,16 @@ for step in "${steps[@]}"; do
               python3 -c "import nbclient, ipykernel" 2>/dev/null || { [ -d .whl ] &&  # wheels are zips
                 for w in .whl/*.whl; do python3 -m zipfile -e "$w" "$site"; done && export PYTHONPATH=$PYTHONPATH:$site; }
               run notebook python3 scripts/run_notebook.py examples/tour.ipynb; cp examples/tour.ipynb "$OUT/" ;;
-    # Every kernel variant under each compute-sanitizer tool, every (tool, shard) pair a process of its own,
-    # all side by side (the tools' cost is mostly on the CPU): SWEEP_SHARDS="0/6 1/6" runs those k-ths of
-    # the cases (SWEEP_SHARD=i/k: one), SWEEP_TOOLS a subset of the four tools. Logs: sweep-TOOL-iofk.txt.
-    sweep) pids=()
-           for tool in ${SWEEP_TOOLS:-memcheck racecheck synccheck initcheck}; do
-             for part in ${SWEEP_SHARDS:-${SWEEP_SHARD:-0/1}}; do
+    # Every kernel variant under each compute-sanitizer tool. The kernels are compiled once, unsanitized, into
+    # CuPy's disk cache; then every (tool, shard) pair runs as a process of its own, all side by side (the
+    # tools' cost is mostly on the CPU). SWEEP_TOOLS="TOOL:K ..." splits TOOL's cases into K shards (the
+    # default weighs the tools by their cost per case); SWEEP_SHARDS="1/6 4/6" runs only those parts, for
+    # every tool named. Logs: sweep-TOOL-iofk.txt.
+    sweep) run sweep-compile python3 scripts/sanitize_sweep.py --compile-only
+           pids=()
+           for spec in ${SWEEP_TOOLS:-memcheck:6 racecheck:4 initcheck:4 synccheck:1}; do
+             tool=${spec%%:*}; k=${spec#*:}; [ "$k" = "$spec" ] && k=1
+             for part in ${SWEEP_SHARDS:-$(seq -f "%g/$k" 0 $((k - 1)))}; do
                ( status=0
                  run "sweep-$tool-${part/\//of}" compute-sanitizer --tool "$tool" --error-exitcode 99 \
                    python3 scripts/sanitize_sweep.py --shard "$part" > /dev/null

@@ -52,6 +52,9 @@ def main(argv=None) -> int:
     p.add_argument("--rows", type=int, default=3)
     p.add_argument("--only", metavar="REGEX",
                    help="only the cases whose label matches (re.search), e.g. 'x1=|weight1='")
+    p.add_argument("--compile-only", action="store_true", help="compile the shard's kernels, run nothing")
+    p.add_argument("--progress", type=int, default=100, metavar="K",
+                   help="a progress line every K cases (a shard cut short by a time limit still shows its rate)")
     a = p.parse_args(argv)
     i, k = a.shard
     cases = [c for c in sweep_cases(a.rows) if a.only is None or re.search(a.only, c.label())][i::k]
@@ -64,9 +67,13 @@ def main(argv=None) -> int:
     check.precompile(cases)
     print(f"shard {i}/{k}: {len(cases)} cases, {sum(kernels.values())} distinct kernels "
           f"({', '.join(f'{n} {o}' for o, n in kernels.items())}); compiled in {time.time() - t0:.0f} s", flush=True)
+    if a.compile_only:
+        return 0
     bad = 0
     rng = np.random.default_rng(0)
-    for case in cases:
+    for n, case in enumerate(cases):
+        if n and n % a.progress == 0:
+            print(f"shard {i}/{k}: {n} cases run, {bad} failed outputs, {time.time() - t0:.0f} s", flush=True)
         for r in check.run_case(case, rng):
             if not r.ok:
                 print(f"FAIL {r.case.label()} {r.output} {r.error:.2e} > {r.tolerance:.0e}", flush=True)

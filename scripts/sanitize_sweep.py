@@ -52,12 +52,14 @@ def main(argv=None) -> int:
     p.add_argument("--rows", type=int, default=3)
     p.add_argument("--only", metavar="REGEX",
                    help="only the cases whose label matches (re.search), e.g. 'x1=|weight1='")
+    p.add_argument("--start", type=int, default=0, metavar="N",
+                   help="skip the shard's first N cases (resume a shard that a time limit cut short)")
     p.add_argument("--compile-only", action="store_true", help="compile the shard's kernels, run nothing")
     p.add_argument("--progress", type=int, default=100, metavar="K",
                    help="a progress line every K cases (a shard cut short by a time limit still shows its rate)")
     a = p.parse_args(argv)
     i, k = a.shard
-    cases = [c for c in sweep_cases(a.rows) if a.only is None or re.search(a.only, c.label())][i::k]
+    cases = [c for c in sweep_cases(a.rows) if a.only is None or re.search(a.only, c.label())][i::k][a.start:]
     from cunorm.compiler import device_arch, device_gpu
 
     dev = cupy.cuda.Device().id
@@ -71,14 +73,14 @@ def main(argv=None) -> int:
         return 0
     bad = 0
     rng = np.random.default_rng(0)
-    for n, case in enumerate(cases):
+    for n, case in enumerate(cases, start=a.start):
         if n and n % a.progress == 0:
             print(f"shard {i}/{k}: {n} cases run, {bad} failed outputs, {time.time() - t0:.0f} s", flush=True)
         for r in check.run_case(case, rng):
             if not r.ok:
                 print(f"FAIL {r.case.label()} {r.output} {r.error:.2e} > {r.tolerance:.0e}", flush=True)
                 bad += 1
-    print(f"shard {i}/{k}: {len(cases)} cases run, {bad} failed outputs, {time.time() - t0:.0f} s")
+    print(f"shard {i}/{k}: {a.start + len(cases)} cases run, {bad} failed outputs, {time.time() - t0:.0f} s")
     return 1 if bad else 0
 
 

@@ -74,7 +74,7 @@ def main(argv=None) -> int:
     bad = 0
     rng = np.random.default_rng(0)
     for n, case in enumerate(cases, start=a.start):
-        if n and n % a.progress == 0:
+        if n > a.start and n % a.progress == 0:  # (a resumed part does not report its first case)
             print(f"shard {i}/{k}: {n} cases run, {bad} failed outputs, {time.time() - t0:.0f} s", flush=True)
         for r in check.run_case(case, rng):
             if not r.ok:

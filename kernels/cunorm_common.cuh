@@ -337,6 +337,21 @@ __device__ __forceinline__ double load_cluster_shared(const double* local, unsig
 #endif
   return v;
 }
+// Reads the two values at `local` (8-byte aligned) in the CTA of cluster rank `rank`: one load, not two.
+__device__ __forceinline__ void load_cluster_shared_pair(const float* local, unsigned rank, float& a, float& b) {
+  a = b = 0.f;
+#if __CUDA_ARCH__ >= 900
+  asm volatile("ld.shared::cluster.v2.f32 {%0, %1}, [%2];" : "=f"(a), "=f"(b) : "r"(cluster_address(local, rank))
+               : "memory");
+#endif
+}
+__device__ __forceinline__ void load_cluster_shared_pair(const double* local, unsigned rank, double& a, double& b) {
+  a = b = 0.0;
+#if __CUDA_ARCH__ >= 900
+  asm volatile("ld.shared::cluster.v2.f64 {%0, %1}, [%2];" : "=d"(a), "=d"(b) : "r"(cluster_address(local, rank))
+               : "memory");
+#endif
+}
 
 // Dropout masks (cunorm.reference.dropout_keep): element i of a tensor (flat
 // index in C order over its logical shape) takes word i % 4 of Philox4x32-10

@@ -504,11 +504,12 @@ __device__ __forceinline__ void row_barrier(int warp_m) {
 // reduction flips it for that warp row alone).
 template <int K, bool MAX = false>  // MAX: the maximum of non-negative values (fp8 scaling) instead of the sum
 struct RowReducer {
+  static constexpr int EVEN_K = K > 1 ? K + (K & 1) : 1;  // a CTA's partials, padded for paired remote loads
   compute_t (*warp_partials)[WARPS_M][WARPS_N][K];
-  compute_t (*cta_partials)[K];
+  compute_t (*cta_partials)[EVEN_K];
   int parity = 0;
 
-  __device__ __forceinline__ RowReducer(compute_t (*warps)[WARPS_M][WARPS_N][K], compute_t (*ctas)[K])
+  __device__ __forceinline__ RowReducer(compute_t (*warps)[WARPS_M][WARPS_N][K], compute_t (*ctas)[EVEN_K])
       : warp_partials(warps), cta_partials(ctas) {}
 
   static __device__ __forceinline__ compute_t combine(compute_t a, compute_t b) {
@@ -546,13 +547,25 @@ struct RowReducer {
         for (int k = 0; k < K; ++k) cta_partials[parity][k] = v[k];
       }
       cluster_sync();
+      // Each peer's values in pairs (one remote load for two; the scratch rows are padded to even K), added
+      // rank by rank in the same order for every value.
+      compute_t s[K] = {};
 #pragma unroll
-      for (int k = 0; k < K; ++k) {
-        compute_t s = 0;
+      for (int r = 0; r < CTAS_PER_ROW; ++r) {
 #pragma unroll
-        for (int r = 0; r < CTAS_PER_ROW; ++r) s = combine(s, load_cluster_shared(&cta_partials[parity][k], r));
-        v[k] = s;
+        for (int k = 0; k < K; k += 2) {
+          if (k + 1 < K) {
+            compute_t a, b;
+            load_cluster_shared_pair(&cta_partials[parity][k], r, a, b);
+            s[k] = combine(s[k], a);
+            s[k + 1] = combine(s[k + 1], b);
+          } else {
+            s[k] = combine(s[k], load_cluster_shared(&cta_partials[parity][k], r));
+          }
+        }
       }
+#pragma unroll
+      for (int k = 0; k < K; ++k) v[k] = s[k];
     }
     parity ^= 1;
   }
@@ -575,7 +588,7 @@ struct RowReducer {
 
 #define CN_ROW_REDUCER(K, name)                                   \
   __shared__ compute_t name##_warps[2][WARPS_M][WARPS_N][K];      \
-  __shared__ compute_t name##_ctas[2][K];                         \
+  __shared__ __align__(16) compute_t name##_ctas[2][RowReducer<K>::EVEN_K]; \
   RowReducer<K> name(name##_warps, name##_ctas)
 
 // A CTA must not exit while cluster peers may still read its shared memory.

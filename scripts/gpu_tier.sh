@@ -38,16 +38,18 @@ for step in "${steps[@]}"; do
     # CuPy's disk cache; then every (tool, shard) pair runs as a process of its own, all side by side (the
     # tools' cost is mostly on the CPU). SWEEP_TOOLS="TOOL:K ..." splits TOOL's cases into K shards (the
     # default weighs the tools by their cost per case); SWEEP_SHARDS="1/6 4/6" runs only those parts, for
-    # every tool named, from their SWEEP_START-th case on (resumes parts a time limit cut short).
+    # every tool named, from their SWEEP_START-th case on (resumes parts a time limit cut short);
+    # SWEEP_ONLY=REGEX keeps the cases whose label matches (e.g. '^layer_norm_backward').
     # Logs: sweep-TOOL-iofk.txt.
-    sweep) run sweep-compile python3 scripts/sanitize_sweep.py --compile-only
+    sweep) only=(); [ -n "${SWEEP_ONLY:-}" ] && only=(--only "$SWEEP_ONLY")
+           run sweep-compile python3 scripts/sanitize_sweep.py --compile-only "${only[@]}"
            pids=()
            for spec in ${SWEEP_TOOLS:-memcheck:6 racecheck:4 initcheck:4 synccheck:1}; do
              tool=${spec%%:*}; k=${spec#*:}; [ "$k" = "$spec" ] && k=1
              for part in ${SWEEP_SHARDS:-$(seq -f "%g/$k" 0 $((k - 1)))}; do
                ( status=0
                  run "sweep-$tool-${part/\//of}" compute-sanitizer --tool "$tool" --error-exitcode 99 \
-                   python3 scripts/sanitize_sweep.py --shard "$part" ${SWEEP_START:+--start "$SWEEP_START"} > /dev/null
+                   python3 scripts/sanitize_sweep.py --shard "$part" ${SWEEP_START:+--start "$SWEEP_START"} "${only[@]}" > /dev/null
                  exit $status ) &
                pids+=($!)
              done

@@ -75,12 +75,14 @@ def main(argv=None) -> int:
     rng = np.random.default_rng(0)
     for n, case in enumerate(cases, start=a.start):
         if n > a.start and n % a.progress == 0:  # (a resumed part does not report its first case)
-            print(f"shard {i}/{k}: {n} cases run, {bad} failed outputs, {time.time() - t0:.0f} s", flush=True)
+            print(f"shard {i}/{k}: cases {a.start}-{n - 1} run, {bad} failed outputs, {time.time() - t0:.0f} s",
+                  flush=True)
         for r in check.run_case(case, rng):
             if not r.ok:
                 print(f"FAIL {r.case.label()} {r.output} {r.error:.2e} > {r.tolerance:.0e}", flush=True)
                 bad += 1
-    print(f"shard {i}/{k}: {a.start + len(cases)} cases run, {bad} failed outputs, {time.time() - t0:.0f} s")
+    print(f"shard {i}/{k}: cases {a.start}-{a.start + len(cases) - 1} run ({len(cases)}), {bad} failed outputs, "
+          f"{time.time() - t0:.0f} s")
     return 1 if bad else 0
 
 

@@ -81,12 +81,13 @@ class CupyKind:
         return Tensor(a, cls, a.data.ptr, a.shape, a.strides, a.dtype, a.data.device_id)
 
     @staticmethod
-    def allocation(specs, anchor: int) -> object:
+    def allocation(specs, anchor: int, likes=None) -> object:
         """A function of (device, the call's arguments) making fresh outputs for
         `specs` ((shape, numpy dtype, offset in elements) each): one allocation
         carved into C-contiguous arrays, each `offset` elements past a 256-byte
         boundary. It returns ([array], [pointer]). `anchor`: the position of
-        the argument of this kind that the call is for (on its device)."""
+        the argument of this kind that the call is for (on its device). `likes`: per output, the position
+        of an argument C-contiguous with its shape and dtype, or None (unused here: one allocation)."""
         import cupy
 
         # CuPy has no fp8 dtype: fp8 outputs come back as uint8 arrays of their bits (documented).
@@ -122,6 +123,10 @@ class CupyKind:
     @staticmethod
     def stream(device_id: int) -> int:
         return _cupy_stream().ptr
+
+    @classmethod
+    def stream_function(cls):
+        return cls.stream
 
     @staticmethod
     def copy(obj, dtype=None):
@@ -215,14 +220,33 @@ class TorchKind:
                       t.get_device())
 
     @classmethod
-    def allocation(cls, specs, anchor: int) -> object:
+    def allocation(cls, specs, anchor: int, likes=None) -> object:
         """As CupyKind.allocation, through torch's caching allocator: a tensor
         of its own for each output (outputs of a torch custom op may not share
         storage), made by the anchor's `new_empty` with the sizes as ints (a
         fraction of what `torch.empty` spends parsing a shape, dtype and
         device; every further view costs as much again), or, `offset`
-        elements on, sliced from a longer one."""
+        elements on, sliced from a longer one. An output with a `likes` position (an argument that the
+        cache key shows C-contiguous with the output's shape and dtype) is `torch.empty_like` of it: no
+        sizes or dtype to parse."""
         cls.load()
+        likes = list(likes or [None] * len(specs))
+        empty_like = cls._torch.empty_like
+        if specs and None not in likes:  # every output like an argument (the plain forward and backward)
+            if len(likes) == 1:
+                at = likes[0]
+
+                def make_one_like(device_id: int, objs):
+                    t = empty_like(objs[at])
+                    return [t], [t.data_ptr()]
+
+                return make_one_like
+
+            def make_like(device_id: int, objs):
+                out = [empty_like(objs[i]) for i in likes]
+                return out, [t.data_ptr() for t in out]
+
+            return make_like
         # new_empty's arguments: the sizes, or () for a 0-d output.
         made = [(tuple(shape), tuple(shape) or ((),), cls._to_torch[dt], offset) for shape, dt, offset in specs]
         if len(made) == 1 and not made[0][3]:  # the common forward: one output
@@ -257,6 +281,11 @@ class TorchKind:
     @classmethod
     def stream(cls, device_id: int) -> int:
         return cls._raw_stream(device_id)
+
+    @classmethod
+    def stream_function(cls):
+        cls.load()
+        return cls._raw_stream
 
     @classmethod
     def copy(cls, obj, dtype=None):

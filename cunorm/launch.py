@@ -117,7 +117,7 @@ class Launch:
         self._one = picks[0] if len(picks) == 1 else None  # itemgetter of one position gives no tuple
         self._get = operator.itemgetter(*picks) if len(picks) > 1 else None
 
-    def __call__(self, values: list, stream: int):
+    def __call__(self, values: list, stream: int):  # CallPlan.run does the same inline
         if self._get is not None:
             self._pack(self.slots, 0, *self._get(values))
         elif self._one is not None:
@@ -170,6 +170,7 @@ class Output:
     shape: tuple
     dtype: np.dtype
     offset: int = 0
+    like: str | None = None  # an argument C-contiguous with this shape and dtype (per the key): empty_like
 
 
 def span(shape: tuple, strides: tuple, itemsize: int) -> int:
@@ -214,8 +215,13 @@ class CallPlan:
         self.out_at = None if given_out is None else self.names.index(given_out[0])
         self.out_span = dict(self.spans).get(self.out_at, 0)
         self.alias_at = frozenset(self.names.index(a) for a in aliases if a in self.names)
-        self.make_outputs = kind.allocation([(o.shape, o.dtype, o.offset) for o in self.outputs],
-                                            self.names.index(anchor or self.names[0]))
+        specs = [(o.shape, o.dtype, o.offset) for o in self.outputs]
+        likes = [None if o.like is None else self.names.index(o.like) for o in self.outputs]
+        at = self.names.index(anchor or self.names[0])
+        self.make_outputs = kind.allocation(specs, at, likes) if any(i is not None for i in likes) else \
+            kind.allocation(specs, at)
+        stream_function = getattr(kind, "stream_function", None)  # the kind's stream of a device, resolved once
+        self.stream_of = getattr(kind, "stream", None) if stream_function is None else stream_function()
         # Positions of every pointer a launch may name: arguments, outputs, scratch, the control words (with
         # scratch), then the scalars.
         positions = {name: i for i, name in enumerate(self.names) if name not in absent}  # absent: constant 0
@@ -244,6 +250,10 @@ class CallPlan:
         self.zero_at = tuple(positions[z] - len(self.names) for z in self.zeros)
         for launch in self.launches:
             launch.bind(positions)
+        # Per launch: what Launch.__call__ reads (after bind), so that run launches without a frame per kernel.
+        self._calls = tuple((k._pack, k._get, k._one, k.slots, k.cooperative, k.function, k.grid, k.threads, k.smem,
+                             k.params) for k in self.launches)
+        self._plain = given_out is None and not self.copies and not self.zeros  # run skips their steps
 
     def run(self, objs: tuple, ptrs: list, scalars: tuple = ()):
         """The call: `objs` its array arguments in `names` order (None:
@@ -254,22 +264,24 @@ class CallPlan:
 
             with cupy.cuda.Device(self.device_id):
                 return self.run(objs, ptrs, scalars)
-        if self.out_at is not None:
-            self._check_out(objs, ptrs)
         copies = None  # live until the launches are queued (stream-ordered pools)
-        if self.copies:
-            ptrs, copies = list(ptrs), []
-            for i, dtype in self.copies:
-                if objs[i] is not None:
-                    copy = self.kind.copy(objs[i], dtype)
-                    copies.append(copy)
-                    ptrs[i] = self.kind.describe(copy).ptr
+        if not self._plain:  # out= (its overlap test), copies, zeroed outputs
+            if self.out_at is not None:
+                self._check_out(objs, ptrs)
+            if self.copies:
+                ptrs, copies = list(ptrs), []
+                for i, dtype in self.copies:
+                    if objs[i] is not None:
+                        copy = self.kind.copy(objs[i], dtype)
+                        copies.append(copy)
+                        ptrs[i] = self.kind.describe(copy).ptr
         made, made_ptrs = self.make_outputs(self.device_id, objs)
-        for i in self.zero_at:
-            self.kind.zero(made[i])
+        if not self._plain:
+            for i in self.zero_at:
+                self.kind.zero(made[i])
         if self.launches:
             values = ptrs + made_ptrs
-            stream = self.kind.stream(self.device_id)
+            stream = self.stream_of(self.device_id)
             _launch_lock.acquire()  # not `with`: half the cost, on every call
             try:
                 if self.scratch_bytes:
@@ -278,8 +290,16 @@ class CallPlan:
                     values += [base + start for start in self.scratch_starts]
                     values.append(control)
                 values += scalars
-                for launch in self.launches:
-                    launch(values, stream)
+                # Launch.__call__, inline (a frame less a kernel): the per-call slots, then the launch.
+                for pack, get, one, slots, cooperative, function, grid, threads, smem, params in self._calls:
+                    if get is not None:
+                        pack(slots, 0, *get(values))
+                    elif one is not None:
+                        pack(slots, 0, values[one])
+                    if cooperative:
+                        _launch_cooperative(function, grid, 1, 1, threads, 1, 1, smem, stream, params)
+                    else:
+                        _launch(function, grid, 1, 1, threads, 1, 1, smem, stream, params, 0)
             finally:
                 _launch_lock.release()
         return self.result(objs, made)

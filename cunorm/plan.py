@@ -17,13 +17,14 @@ import functools
 from collections.abc import Mapping
 
 from .compiler import device_arch, device_gpu, kernels_for
-from .kinds import kind_of
+from .kinds import KEY_ALIGNMENT, TorchKind, kind_of
 from .source import check_source
 
 PREVIEW_ARCH = 90  # the GPU that numpy calls check `traits=` for, and that explain previews for them
 CALLS: dict = {}  # cache key -> launch.CallPlan
 MAX_CALLS = 4096
 _keyparts: dict = {}  # array type -> its kind's keypart, or None: not cached (numpy, other producers)
+_torch_types: set = set()  # torch tensor classes seen: keyed inline, as TorchKind.keypart (a frame less each)
 
 
 def call_key(values: tuple, flags: tuple) -> tuple:
@@ -45,11 +46,18 @@ def call_key(values: tuple, flags: tuple) -> tuple:
             key.append(None)
             ptrs.append(0)
             continue
+        if a.__class__ in _torch_types:  # TorchKind.keypart, inline
+            p = a.data_ptr()
+            key.append((a.shape, a.stride(), a.dtype, p % KEY_ALIGNMENT, a.get_device()))
+            ptrs.append(p)
+            continue
         try:
             part = _keyparts[a.__class__]
         except KeyError:
             kind = kind_of(a)
             part = _keyparts[a.__class__] = None if kind is None else kind.keypart
+            if kind is TorchKind:
+                _torch_types.add(a.__class__)
         if part is None:
             return None, None
         k, p = part(a)

@@ -58,3 +58,40 @@ def rng(request):
     request.node.user_properties.append(("seed", seed))
     print(f"seed={seed}")
     return np.random.default_rng(seed)
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """Every kernel launch from here on, as (Kernel, grid, stream pointer); `.cooperative` says, launch by
+    launch, whether it went through cuLaunchCooperativeKernel. Spies on the two driver calls every launch
+    makes (`cunorm.launch._launch`, `_launch_cooperative`: `CallPlan.run` launches inline), naming each
+    kernel by its function (the plan cache is emptied, so every launch comes from a plan built here)."""
+    from cupy_backends.cuda.api import driver
+
+    from cunorm import launch, plan
+
+    class Seen(list):
+        cooperative: list
+
+    seen = Seen()
+    seen.cooperative = []
+    kernels = {}
+    init = launch.Launch.__init__
+
+    def register(self, kernel, *args, **kwargs):
+        init(self, kernel, *args, **kwargs)
+        kernels[self.function] = kernel
+
+    def spy(cooperative: bool, real):
+        def call(function, grid, *rest):  # rest: block, shared memory, stream (rest[6]), parameters
+            seen.append((kernels.get(function), grid, rest[6]))
+            seen.cooperative.append(cooperative)
+            return real(function, grid, *rest)
+
+        return call
+
+    monkeypatch.setattr(launch.Launch, "__init__", register)
+    monkeypatch.setattr(launch, "_launch", spy(False, driver.launchKernel))
+    monkeypatch.setattr(launch, "_launch_cooperative", spy(True, driver.launchCooperativeKernel))
+    plan.CALLS.clear()
+    return seen

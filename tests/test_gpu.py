@@ -152,28 +152,6 @@ def test_other_producers_come_back_as_cupy_arrays(rng):
         assert isinstance(y, cupy.ndarray) and check.rel_l2(y, ref) < 1e-5
 
 
-@pytest.fixture
-def launches(monkeypatch):
-    """Every kernel launch from here on, as (Kernel, grid, stream pointer); `.cooperative` says, launch by
-    launch, whether it went through cuLaunchCooperativeKernel."""
-    from cunorm import launch
-
-    class Seen(list):
-        cooperative: list
-
-    seen = Seen()
-    seen.cooperative = []
-    original = launch.Launch.__call__
-
-    def spy(self, values, stream):
-        seen.append((self.kernel, self.grid, stream))
-        seen.cooperative.append(self.cooperative)
-        return original(self, values, stream)
-
-    monkeypatch.setattr(launch.Launch, "__call__", spy)
-    return seen
-
-
 def test_runs_on_current_stream(rng, launches):
     import cupy
 

@@ -256,6 +256,16 @@ def _absent(names: tuple, args: dict) -> tuple:
     return tuple(name for name in names if args.get(name) is None)
 
 
+def _like(name: str, a, shape: tuple, dtype, offset: int = 0):
+    """`name` (argument `a` in the plan's names) when an output of `shape` and `dtype` (at `offset`) may be
+    allocated like it (`torch.empty_like`): C-contiguous, the same shape and dtype, no offset; else None.
+    The cache key holds a's shape, strides and dtype, so this holds for every call of the plan."""
+    if a is None or offset:
+        return None
+    t = a.array
+    return name if tuple(t.shape) == tuple(shape) and t.dtype == dtype and t.c_contiguous else None
+
+
 def _picker(picks: list):
     """The result of a call from its outputs: picks are ("made", index) (an
     allocated output), ("arg", index) (a given `out=`) or None (an absent gradient)."""
@@ -290,7 +300,8 @@ def forward_plan(args: dict, base: dict, traits, rms: bool, return_stats: bool, 
     outputs, picks = [], []
     if O is None:
         picks.append(("made", len(outputs)))
-        outputs.append(Output("y", shape, dtypes.numpy_dtype(base["output_dtype"]), y_row.offset))
+        y_dtype = dtypes.numpy_dtype(base["output_dtype"])
+        outputs.append(Output("y", shape, y_dtype, y_row.offset, _like("x", X, shape, y_dtype, y_row.offset)))
     else:
         picks.append(("arg", FORWARD.arrays.index("out")))
     if t.parallel:  # y1, the second output
@@ -358,7 +369,8 @@ def backward_plan(args: dict, base: dict, traits, rms: bool, source: str | None 
     outputs, picks = [], []
     if O is None:
         picks.append(("made", 0))
-        outputs.append(Output("dx", tuple(x.shape), x.dtype, dx_row.offset))
+        outputs.append(Output("dx", tuple(x.shape), x.dtype, dx_row.offset, _like("x", X, tuple(x.shape), x.dtype,
+                                                                                  dx_row.offset)))
     else:
         picks.append(("arg", BACKWARD.arrays.index("out")))
     if t.branch:  # dx0, the branch input's gradient, after dx
@@ -380,7 +392,8 @@ def backward_plan(args: dict, base: dict, traits, rms: bool, source: str | None 
     for name, present, dtype in grads:
         picks.append(("made", len(outputs)) if present else None)
         if present:  # per head: [heads, N]
-            outputs.append(Output(name, (p.heads, n) if t.per_head else (n,), dtypes.numpy_dtype(dtype)))
+            g_shape, g_dtype = (p.heads, n) if t.per_head else (n,), dtypes.numpy_dtype(dtype)
+            outputs.append(Output(name, g_shape, g_dtype, like=_like("weight", W, g_shape, g_dtype)))
     copy_w, w_stride, w_heads = _weight_layout(W, t)
     B = args.get("bias")  # the forward's bias, read by the memory-efficient backward
     copy_b, b_stride, b_heads = _weight_layout(B, t)

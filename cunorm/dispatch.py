@@ -152,9 +152,23 @@ def _fit(knobs: dict, call: dict, general: bool, aligned: bool, arch: int) -> Tr
             if t.threads_per_cta > 512:
                 raise ValueError("1024-thread CTAs spill with wide weights")
         t.check_arch(arch)
-        return t
+        return _late_dgamma_registers(t)
     except ValueError:
         return None
+
+
+def _late_dgamma_registers(t: Traits) -> Traits:
+    """LayerNorm's fp32 backward sums dgamma after its row reduction (Traits.late_dgamma), which lets ptxas
+    take more registers than the CTAs an SM the staging budget assumes. Such kernels (up to 16 elements a
+    thread) fit 128 registers of an SM's 65536 without spilling in the CTAs and dtypes below (compiled for
+    every dispatched case on sm_90): the cap keeps that occupancy."""
+    held = ([t.output_dtype] + [t.weight_dtype] * t.has_weight + [t.bias_dtype] * t.has_bias
+            + [t.weight1_dtype] * t.parallel)  # dy and the weights in registers: float64 ones take two words
+    if (t.late_dgamma and all(dtypes.itemsize(d) <= 4 for d in held)
+            and not t.per_head and not (t.parallel and not t.smem_accumulators) and t.min_ctas_per_sm == 1
+            and t.threads_per_cta in (128, 256)):
+        return t.replace(min_ctas_per_sm=65536 // (128 * t.threads_per_cta))
+    return t
 
 
 def heuristic(*, hidden_size: int, input_dtype: str, elts_per_ldg: int | None = None, aligned_rows: bool = True,
@@ -243,6 +257,6 @@ def heuristic(*, hidden_size: int, input_dtype: str, elts_per_ldg: int | None = 
             # Unstaged, the column sums may take all of the GPU's shared memory (one CTA per SM).
             if staged.smem_bytes <= (limit if stages == 1 else budget):
                 staged.check_arch(arch)
-                return staged
+                return _late_dgamma_registers(staged)
     raise ValueError(f"x: hidden size {hidden_size} ({input_dtype}, {'backward' if backward else 'forward'}) "
                      f"needs more shared memory than sm_{arch} has")

@@ -68,6 +68,10 @@ constexpr int SMEM_BYTES = ACC_BYTES + RowPipe<input_t>::BYTES + RowPipe<output_
                            RowWeights<weight1_t, PARALLEL>::BYTES;
 static_assert(SMEM_BYTES == ${SMEM_BYTES}, "cunorm.Traits.smem_bytes disagrees with the kernel");
 constexpr int SUMS = RMS ? 1 : 2;  // row sums: [sum(g),] sum(g * xhat)
+// LayerNorm's dgamma column sums taken in the second loop, after the row reduction (fewer values live across
+// it): fp32 x in aligned rows (cunorm.Traits.late_dgamma).
+constexpr bool LATE_DGAMMA = ${LATE_DGAMMA};
+static_assert(!LATE_DGAMMA || (!RMS && !FROM_OUTPUT && ALIGNED_ROWS), "LATE_DGAMMA: LayerNorm's xhat from x");
 
 // This thread's column sums for one quantity.
 template <bool IN_SMEM>
@@ -366,17 +370,17 @@ norm_bwd(const output_t* dy, const input_t* x, const residual_t* dresidual,
         const compute_t g = g_of(it, e, d, wv, w1v);
         if constexpr (!RMS) sums[0] += g;
         sums[SUMS - 1] = cn_fma(g, xhat, sums[SUMS - 1]);
-        dg.add(e, d * xhat);
+        if constexpr (!LATE_DGAMMA) dg.add(e, d * xhat);
         db.add(e, d);
         if constexpr (PARALLEL) {
           const compute_t d1 = dy1v[it].get(e);
-          dg1.add(e, d1 * xhat);
+          if constexpr (!LATE_DGAMMA) dg1.add(e, d1 * xhat);
           db1.add(e, d1);
         }
       }
-      if (HAS_WEIGHT) dgamma_acc.put(it, dg);
+      if (HAS_WEIGHT && !LATE_DGAMMA) dgamma_acc.put(it, dg);
       if (HAS_BIAS) dbeta_acc.put(it, db);
-      if (PARALLEL) dgamma1_acc.put(it, dg1);
+      if (PARALLEL && !LATE_DGAMMA) dgamma1_acc.put(it, dg1);
       if (HAS_BIAS1) dbeta1_acc.put(it, db1);
     }
     // RECOMPUTE: derive xhat and g again from the packed inputs below rather
@@ -405,13 +409,20 @@ norm_bwd(const output_t* dy, const input_t* x, const residual_t* dresidual,
           Vec<weight1_t, ELTS_PER_LDG> w1v;
           if constexpr (PARALLEL) w1v = w1(it, at, row);
           compute_t out[ELTS_PER_LDG];
+          AccVec dg = dgamma_acc.get(it), dg1 = dgamma1_acc.get(it);  // LATE_DGAMMA's
 #pragma unroll
           for (int e = 0; e < ELTS_PER_LDG; ++e) {
             const compute_t xhat = ZERO_XHAT ? compute_t(0) : xhat_of(xv[it], wv, it, e, row, mu, rs);
             const compute_t g = g_of(it, e, dyv[it].get(e), wv, w1v);
             out[e] = ZERO_XHAT ? compute_t(0) : cn_fma(a, g, cn_fma(c, xhat, b));
             if constexpr (HAS_RESIDUAL) out[e] += dres[it].get(e);
+            if constexpr (LATE_DGAMMA) {
+              dg.add(e, compute_t(dyv[it].get(e)) * xhat);
+              if constexpr (PARALLEL) dg1.add(e, compute_t(dy1v[it].get(e)) * xhat);
+            }
           }
+          if (LATE_DGAMMA && HAS_WEIGHT) dgamma_acc.put(it, dg);
+          if (LATE_DGAMMA && PARALLEL) dgamma1_acc.put(it, dg1);
           InVec o;
           o.set_all(out);
           store_vec<decltype(edges)::value>(o, at.frame(dx, row, lddx), it, at);

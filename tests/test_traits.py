@@ -288,3 +288,21 @@ def test_narrow_loads_aim_at_the_bytes_of_full_ones(n, dtype, elts, backward):
     clusters a 4-load target took, 0.67-0.88 now), never fewer than 8 loads a thread."""
     t = dispatch.heuristic(hidden_size=n, input_dtype=dtype, elts_per_ldg=elts, backward=backward)
     assert t.aligned_rows and t.elts_per_ldg == elts and t.ctas_per_row == 1 and t.ldgs >= 8
+
+
+def test_late_dgamma_is_fp32_layernorm_backward_of_short_aligned_rows_and_keeps_its_occupancy():
+    """LATE_DGAMMA (dgamma summed after the row reduction) holds for LayerNorm backwards of fp32 x in
+    aligned rows of up to 16 elements a thread, and nowhere else; dispatch then caps their registers at 128
+    (the CTAs an SM of 128 or 256 threads that the unmoved kernel has)."""
+    for n in (768, 1024, 4096, 8192, 16384, 32768):
+        t = dispatch.choose(hidden_size=n, input_dtype="float32", backward=True)[0]
+        assert t.late_dgamma and t.template_values()["LATE_DGAMMA"] == "true"
+        if t.threads_per_cta in (128, 256):
+            assert t.min_ctas_per_sm * t.threads_per_cta * 128 == 65536
+    wide = dispatch.choose(hidden_size=65536, input_dtype="float32", backward=True)[0]
+    assert wide.elts_per_thread > 16 and not wide.late_dgamma
+    for call in (dict(input_dtype="bfloat16", backward=True), dict(input_dtype="float32", backward=True, rms=True),
+                 dict(input_dtype="float32", backward=False), dict(input_dtype="float64", backward=True),
+                 dict(input_dtype="float32", backward=True, hidden_size=4097)):  # 4097: general rows
+        t = dispatch.choose(**{"hidden_size": 4096, **call})[0]
+        assert not t.late_dgamma and t.template_values()["LATE_DGAMMA"] == "false"

@@ -337,7 +337,8 @@ __device__ __forceinline__ double load_cluster_shared(const double* local, unsig
 #endif
   return v;
 }
-// Reads the two values at `local` (8-byte aligned) in the CTA of cluster rank `rank`: one load, not two.
+// Reads the two values at `local` (aligned to twice their size) in the CTA of cluster rank `rank`: one load,
+// not two (the float and double overloads differ only in their asm operand types).
 __device__ __forceinline__ void load_cluster_shared_pair(const float* local, unsigned rank, float& a, float& b) {
   a = b = 0.f;
 #if __CUDA_ARCH__ >= 900

@@ -160,10 +160,11 @@ def _fit(knobs: dict, call: dict, general: bool, aligned: bool, arch: int) -> Tr
 def _late_dgamma_registers(t: Traits) -> Traits:
     """LayerNorm's fp32 backward sums dgamma after its row reduction (Traits.late_dgamma), which lets ptxas
     take more registers than the CTAs an SM the staging budget assumes. Such kernels (up to 16 elements a
-    thread) fit 128 registers of an SM's 65536 without spilling in the CTAs and dtypes below (compiled for
-    every dispatched case on sm_90): the cap keeps that occupancy."""
+    thread) fit 128 registers of an SM's 65536 without spilling in the CTAs and dtypes below (the
+    dispatched fp32 cases compiled on sm_90 and sm_80, in a review's enumeration of 2,791 kernels with
+    their dtype mixes and flags): the cap keeps that occupancy. It also applies to tuned entries."""
     held = ([t.output_dtype] + [t.weight_dtype] * t.has_weight + [t.bias_dtype] * t.has_bias
-            + [t.weight1_dtype] * t.parallel)  # dy and the weights in registers: float64 ones take two words
+            + [t.weight1_dtype] * t.parallel + [t.residual_dtype] * t.has_residual)  # float64 ones: two words
     if (t.late_dgamma and all(dtypes.itemsize(d) <= 4 for d in held)
             and not t.per_head and not (t.parallel and not t.smem_accumulators) and t.min_ctas_per_sm == 1
             and t.threads_per_cta in (128, 256)):

@@ -42,14 +42,14 @@ for step in "${steps[@]}"; do
     # SWEEP_ONLY=REGEX keeps the cases whose label matches (e.g. '^layer_norm_backward').
     # Logs: sweep-TOOL-iofk.txt.
     sweep) only=(); [ -n "${SWEEP_ONLY:-}" ] && only=(--only "$SWEEP_ONLY")
-           run sweep-compile python3 scripts/sanitize_sweep.py --compile-only "${only[@]}"
+           run sweep-compile python3 scripts/sanitize_sweep.py --compile-only ${only[@]+"${only[@]}"}
            pids=()
            for spec in ${SWEEP_TOOLS:-memcheck:6 racecheck:4 initcheck:4 synccheck:1}; do
              tool=${spec%%:*}; k=${spec#*:}; [ "$k" = "$spec" ] && k=1
              for part in ${SWEEP_SHARDS:-$(seq -f "%g/$k" 0 $((k - 1)))}; do
                ( status=0
                  run "sweep-$tool-${part/\//of}" compute-sanitizer --tool "$tool" --error-exitcode 99 \
-                   python3 scripts/sanitize_sweep.py --shard "$part" ${SWEEP_START:+--start "$SWEEP_START"} "${only[@]}" > /dev/null
+                   python3 scripts/sanitize_sweep.py --shard "$part" ${SWEEP_START:+--start "$SWEEP_START"} ${only[@]+"${only[@]}"} > /dev/null
                  exit $status ) &
                pids+=($!)
              done

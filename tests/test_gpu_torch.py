@@ -236,3 +236,23 @@ def test_outputs_are_made_beside_the_argument_of_the_calls_kind(rng):
         assert dw is None and isinstance(db, torch.Tensor) and db.dtype == torch.float32  # no weight: fp32 dbias
         want = cunorm.reference.layer_norm_backward(_cp(dy), _cp(x), _cp(mean), _cp(rstd))
         assert check.rel_l2(_cp(dx), want[0]) < 1e-3 and check.rel_l2(_cp(db), want[2]) < 1e-5
+
+
+@pytest.mark.parametrize("anchor", ["torch", "cupy"])
+def test_arrays_of_both_kinds_in_one_call(anchor, rng):
+    """x of one kind, weights (and dy) of the other: results come back as x's kind, from x's allocator, and
+    match the float64 reference, on a first call and on a cache hit (outputs are never made like an argument
+    of the other kind)."""
+    n = 1024
+    x, dy = _tensor((64, n), torch.float32, rng, offset=1.0), _tensor((64, n), torch.float32, rng)
+    w, b = _tensor(n, torch.float32, rng), _tensor(n, torch.float32, rng)
+    own, other = (lambda t: t, _cp) if anchor == "torch" else (_cp, lambda t: t)
+    kind = torch.Tensor if anchor == "torch" else type(_cp(x))
+    ref_y, ref_mean, ref_rstd = cunorm.reference.layer_norm(_cp(x).get(), _cp(w).get(), _cp(b).get())
+    ref_grads = cunorm.reference.layer_norm_backward(_cp(dy).get(), _cp(x).get(), ref_mean, ref_rstd, _cp(w).get())
+    for _ in range(2):  # the second call is a cache hit
+        y, mean, rstd = cunorm.layer_norm(own(x), other(w), other(b), return_stats=True)
+        assert isinstance(y, kind) and check.rel_l2(_cp(y) if anchor == "torch" else y, ref_y) < 1e-5
+        grads = cunorm.layer_norm_backward(other(dy), own(x), mean, rstd, other(w))
+        for got, want in zip(grads, ref_grads):
+            assert isinstance(got, kind) and check.rel_l2(_cp(got) if anchor == "torch" else got, want) < 1e-5

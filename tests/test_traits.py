@@ -306,3 +306,8 @@ def test_late_dgamma_is_fp32_layernorm_backward_of_short_aligned_rows_and_keeps_
                  dict(input_dtype="float32", backward=True, hidden_size=4097)):  # 4097: general rows
         t = dispatch.choose(**{"hidden_size": 4096, **call})[0]
         assert not t.late_dgamma and t.template_values()["LATE_DGAMMA"] == "false"
+    plain = dispatch.choose(hidden_size=4096, input_dtype="float32", backward=True)[0]
+    for changes in (dict(dropout=True, dx0_dtype="float32"), dict(rowscale_dtype="float32", dx0_dtype="float32"),
+                    dict(dx1_dtype="float32", dropout=True, dx0_dtype="float32"), dict(bytes_per_ldg=4)):
+        t = plain.replace(**changes)  # with dropout, a row scale, x1's gradient, 4-byte vectors
+        assert not t.late_dgamma, changes

@@ -256,14 +256,16 @@ def _absent(names: tuple, args: dict) -> tuple:
     return tuple(name for name in names if args.get(name) is None)
 
 
-def _like(name: str, a, shape: tuple, dtype, offset: int = 0):
+def _like(name: str, a, shape: tuple, dtype, kind, offset: int = 0):
     """`name` (argument `a` in the plan's names) when an output of `shape` and `dtype` (at `offset`) may be
-    allocated like it (`torch.empty_like`): C-contiguous, the same shape and dtype, no offset; else None.
-    The cache key holds a's shape, strides and dtype, so this holds for every call of the plan."""
+    allocated like it (`torch.empty_like`): of the plan's `kind` (arrays of several kinds may share a call),
+    C-contiguous, the same shape and dtype, no offset; else None. The cache key holds a's kind, shape,
+    strides and dtype, so this holds for every call of the plan."""
     if a is None or offset:
         return None
     t = a.array
-    return name if tuple(t.shape) == tuple(shape) and t.dtype == dtype and t.c_contiguous else None
+    same = t.kind is kind and tuple(t.shape) == tuple(shape) and t.dtype == dtype and t.c_contiguous
+    return name if same else None
 
 
 def _picker(picks: list):
@@ -301,7 +303,8 @@ def forward_plan(args: dict, base: dict, traits, rms: bool, return_stats: bool, 
     if O is None:
         picks.append(("made", len(outputs)))
         y_dtype = dtypes.numpy_dtype(base["output_dtype"])
-        outputs.append(Output("y", shape, y_dtype, y_row.offset, _like("x", X, shape, y_dtype, y_row.offset)))
+        like = _like("x", X, shape, y_dtype, X.array.kind, y_row.offset)
+        outputs.append(Output("y", shape, y_dtype, y_row.offset, like))
     else:
         picks.append(("arg", FORWARD.arrays.index("out")))
     if t.parallel:  # y1, the second output
@@ -370,7 +373,7 @@ def backward_plan(args: dict, base: dict, traits, rms: bool, source: str | None 
     if O is None:
         picks.append(("made", 0))
         outputs.append(Output("dx", tuple(x.shape), x.dtype, dx_row.offset, _like("x", X, tuple(x.shape), x.dtype,
-                                                                                  dx_row.offset)))
+                                                                                  x.kind, dx_row.offset)))
     else:
         picks.append(("arg", BACKWARD.arrays.index("out")))
     if t.branch:  # dx0, the branch input's gradient, after dx
@@ -393,7 +396,7 @@ def backward_plan(args: dict, base: dict, traits, rms: bool, source: str | None 
         picks.append(("made", len(outputs)) if present else None)
         if present:  # per head: [heads, N]
             g_shape, g_dtype = (p.heads, n) if t.per_head else (n,), dtypes.numpy_dtype(dtype)
-            outputs.append(Output(name, g_shape, g_dtype, like=_like("weight", W, g_shape, g_dtype)))
+            outputs.append(Output(name, g_shape, g_dtype, like=_like("weight", W, g_shape, g_dtype, x.kind)))
     copy_w, w_stride, w_heads = _weight_layout(W, t)
     B = args.get("bias")  # the forward's bias, read by the memory-efficient backward
     copy_b, b_stride, b_heads = _weight_layout(B, t)

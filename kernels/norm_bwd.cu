@@ -69,7 +69,7 @@ constexpr int SMEM_BYTES = ACC_BYTES + RowPipe<input_t>::BYTES + RowPipe<output_
 static_assert(SMEM_BYTES == ${SMEM_BYTES}, "cunorm.Traits.smem_bytes disagrees with the kernel");
 constexpr int SUMS = RMS ? 1 : 2;  // row sums: [sum(g),] sum(g * xhat)
 // LayerNorm's dgamma column sums taken in the second loop, after the row reduction (fewer values live across
-// it): fp32 x in aligned rows (cunorm.Traits.late_dgamma).
+// it): which calls take it is cunorm.Traits.late_dgamma's to say (fp32 x in aligned 16-byte rows, no branch).
 constexpr bool LATE_DGAMMA = ${LATE_DGAMMA};
 static_assert(!LATE_DGAMMA || (!RMS && !FROM_OUTPUT && ALIGNED_ROWS), "LATE_DGAMMA: LayerNorm's xhat from x");
 

@@ -319,8 +319,9 @@ def case_kernels(cases, arch: int, spills=None, gpu=None):
     order; a ValueError (origin "unsupported") stands in for a case with no
     legal traits there. attention_delta cases count both its aligned and its
     narrowest (offset view) kernels. `spills(traits)`, when given, says
-    whether traits compile with spills: a tuned entry that does is replaced by
-    the heuristic's pick, as the GPU path replaces it (`plan._plan`). `gpu`
+    whether traits compile with spills: a tuned entry or an unstaged forward
+    that does is replaced by dispatch.fallback's pick, as the GPU path
+    replaces it (`plan._plan`). `gpu`
     (cunorm.tables.GPU): the GPU model whose tuned tables the calls consult."""
     from .attention_delta import heuristic as delta_heuristic
 
@@ -341,8 +342,8 @@ def case_kernels(cases, arch: int, spills=None, gpu=None):
             except ValueError as e:
                 yield e, "unsupported"
                 continue
-            if spills is not None and dispatch.measured(found[0][1]) and spills(found[0][0]):
-                found = [(dispatch.choose(arch=arch, tuned=False, **call)[0], "heuristic (the tuned entry spills)")]
+            if spills is not None and dispatch.may_fall_back(*found[0]) and spills(found[0][0]):
+                found = [(dispatch.fallback(arch, **call), "heuristic (the pick spills)")]
             traits, origin = found[0]
             if one_launch(traits, case.rows):  # small backwards run the one-launch variant, unless it spills
                 fused = traits.replace(grid_finalize=True)

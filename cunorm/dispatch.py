@@ -96,15 +96,16 @@ def measured(origin: str) -> bool:
     return origin not in (HEURISTIC, "caller")
 
 
-def choose(*, arch: int = CLUSTER_MIN_ARCH, tuned: bool = True, gpu=None, **call) -> tuple:
+def choose(*, arch: int = CLUSTER_MIN_ARCH, tuned: bool = True, gpu=None, unstaged: bool = True, **call) -> tuple:
     """(Traits, origin) for a call: origin names the table the knobs came from
     (a table's `origin`, "tuned" for the literal in tuned.py) or "heuristic".
     `gpu` (cunorm.tables.GPU) adds that model's tables. A call without aligned
     rows (odd N, offset views, odd row strides) takes the knobs of its aligned
     neighbour (N rounded down to whole 16-byte vectors): its general-rows
     entry, else its aligned entry, when legal for the call. tuned=False: the
-    heuristic only. Measured knobs that compile with spills for the call's
-    dtype mix are replaced by the heuristic's pick where they are compiled
+    heuristic only; unstaged=False: without the heuristic's unstaged forward.
+    Measured knobs or an unstaged forward that compile with spills for the
+    call's dtype mix are replaced by `fallback`'s pick where they are compiled
     (`plan`, `check.case_kernels`): spills are known only then."""
     fields, max_vector, aligned_vector = call_fields(**call)
     n, input_dtype, backward = fields["hidden_size"], fields["input_dtype"], fields.get("backward", False)
@@ -127,7 +128,18 @@ def choose(*, arch: int = CLUSTER_MIN_ARCH, tuned: bool = True, gpu=None, **call
                 t = None if knobs is None else _fit(dict(zip(KNOBS, knobs)), call, general, aligned, arch)
                 if t is not None:
                     return t, TUNED_LITERAL
-    return heuristic(arch=arch, elts_per_ldg=max_vector, aligned_rows=aligned, **fields), HEURISTIC
+    return heuristic(arch=arch, elts_per_ldg=max_vector, aligned_rows=aligned, unstaged=unstaged, **fields), HEURISTIC
+
+
+def may_fall_back(traits: Traits, origin: str) -> bool:
+    """Whether a pick is replaced by `fallback`'s where it compiles with spills: measured knobs (tuned for
+    one dtype mix) and the unstaged forward (its register cap is tight for some mixes)."""
+    return measured(origin) or not traits.persistent
+
+
+def fallback(arch: int, **call) -> Traits:
+    """What runs a call whose pick spills: the heuristic without the unstaged forward."""
+    return choose(arch=arch, tuned=False, unstaged=False, **call)[0]
 
 
 def _fit(knobs: dict, call: dict, general: bool, aligned: bool, arch: int) -> Traits | None:
@@ -172,9 +184,63 @@ def _late_dgamma_registers(t: Traits) -> Traits:
     return t
 
 
+# Plain forwards: a CTA per row, loaded straight into registers, no persistent grid, registers capped so
+# that many CTAs share an SM (`unstaged_forward`). Measured on an H200 (bf16 and fp32, kernel time,
+# PERFORMANCE.md version 37): bf16 LayerNorm 0.83-0.90 of copy -> 0.91-0.94 and RMSNorm 0.81-0.92 -> 0.92-0.95
+# at N = 1024-10240, fp32 0.85-0.88 -> 0.95-0.97 at N = 768-8192. Rows of more than 10 warps gained only
+# with a power-of-two count (bf16 16384: 2 CTAs of 16 warps an SM; fp32 16384: 1 of 32, 0.53 -> 0.80);
+# bf16 12288-15360 lost up to 0.13 (2 CTAs of 12-15 warps).
+UNSTAGED_MIN_N, UNSTAGED_MAX_N = 768, 16384  # the sizes measured (shorter rows: the shared-warp shapes)
+UNSTAGED_ANY_WARPS = 10  # rows of up to this many warps; wider ones, a power of two
+UNSTAGED_ELTS_PER_LDG = 4  # 8-byte loads of 2-byte x, 16-byte ones of fp32 (bf16: 8 bytes read as well as 16)
+UNSTAGED_BYTES_PER_THREAD = 64  # of x: 32 bf16 or 16 fp32 elements
+UNSTAGED_MIN_THREADS = 64
+# A thread's register cap (32 warps an SM at 64). 2-byte rows of up to 16 elements a thread: 48 (LayerNorm
+# bf16 at 768 and 1024 read 0.87 / 0.91 of copy under 64, 0.90 / 0.93 under 48). Weights wider than x (fp32
+# gamma over bf16 x) spilled 4 bytes under 64.
+UNSTAGED_REGISTERS, UNSTAGED_SHORT_REGISTERS, UNSTAGED_WIDE_WEIGHT_REGISTERS = 64, 48, 80
+UNSTAGED_SHORT_ELTS = 16
+
+
+def unstaged_forward(*, hidden_size: int, input_dtype: str, elts_per_ldg: int, aligned_rows: bool, arch: int,
+                     **rest) -> Traits | None:
+    """A plain forward's traits without a persistent grid (Traits.persistent), or None where the call is not
+    one measured to gain: aligned rows of 2- or 4-byte x of UNSTAGED_ELTS_PER_LDG-element vectors, of
+    UNSTAGED_MIN_N to UNSTAGED_MAX_N elements (past UNSTAGED_ANY_WARPS warps a row, a power-of-two count),
+    without a residual, a branch, x1, a second output or fp8 scaling (whose extra reductions spill under
+    the register cap)."""
+    extra = ("has_residual", "dropout", "rowscale_dtype", "x1_dtype", "weight1_dtype")
+    itemsize = dtypes.itemsize(input_dtype)
+    if (not aligned_rows or elts_per_ldg < UNSTAGED_ELTS_PER_LDG or itemsize not in (2, 4)
+            or not UNSTAGED_MIN_N <= hidden_size <= UNSTAGED_MAX_N or any(rest.get(k) for k in extra)
+            or rest.get("quant", "none") != "none"):
+        return None
+    warps = -(-hidden_size // (UNSTAGED_BYTES_PER_THREAD // itemsize) // THREADS_PER_WARP)
+    if warps > UNSTAGED_ANY_WARPS and warps & (warps - 1):
+        return None
+    threads = max(UNSTAGED_MIN_THREADS, warps * THREADS_PER_WARP)
+    weights = [rest.get("weight_dtype")] * rest.get("has_weight", True) + [rest.get("bias_dtype")] * rest.get("has_bias", True)
+    if any(d is not None and dtypes.itemsize(d) > itemsize for d in weights):
+        registers = UNSTAGED_WIDE_WEIGHT_REGISTERS
+    elif itemsize == 2 and hidden_size <= UNSTAGED_SHORT_ELTS * threads:
+        registers = UNSTAGED_SHORT_REGISTERS
+    else:
+        registers = UNSTAGED_REGISTERS
+    try:
+        t = Traits(hidden_size=hidden_size, input_dtype=input_dtype, aligned_rows=True, **rest,
+                   **{**KNOB_DEFAULTS, "warps_n": threads // THREADS_PER_WARP,
+                      "bytes_per_ldg": UNSTAGED_ELTS_PER_LDG * itemsize, "stages": 1, "persistent": False,
+                      "cache_weights": False, "min_ctas_per_sm": max(1, 65536 // (threads * registers))})
+        t.check_arch(arch)
+    except ValueError:
+        return None
+    return t
+
+
 def heuristic(*, hidden_size: int, input_dtype: str, elts_per_ldg: int | None = None, aligned_rows: bool = True,
-              backward: bool = False, arch: int = CLUSTER_MIN_ARCH, **rest) -> Traits:
-    """Legal traits for any hidden size: the candidate with the fewest idle
+              backward: bool = False, arch: int = CLUSTER_MIN_ARCH, unstaged: bool = True, **rest) -> Traits:
+    """Legal traits for any hidden size: a plain forward unstaged_forward
+    serves takes its traits (unless `unstaged` is False); otherwise the candidate with the fewest idle
     vector slots and the load count closest to TARGET_LDGS, preferring fewer
     CTAs per row and rows within the register budget; then enough rows per
     CTA to reach MIN_THREADS_PER_CTA."""
@@ -183,6 +249,11 @@ def heuristic(*, hidden_size: int, input_dtype: str, elts_per_ldg: int | None = 
         elts_per_ldg = dtypes.vector_elements(itemsize)
         while hidden_size % elts_per_ldg:
             elts_per_ldg //= 2
+    if unstaged and not backward:
+        unstaged = unstaged_forward(hidden_size=hidden_size, input_dtype=input_dtype, elts_per_ldg=elts_per_ldg,
+                                    aligned_rows=aligned_rows, arch=arch, **rest)
+        if unstaged is not None:
+            return unstaged
     two_rows = backward or rest.get("has_residual", False) or rest.get("x1_dtype") is not None
     ctas_options = (1, 2, 4, 8) if arch >= CLUSTER_MIN_ARCH else (1,)
     best, best_cost = None, math.inf

@@ -88,7 +88,7 @@ def _plan(family, base: tuple, device_id: int, knobs: tuple | None, source: str 
     kernels = kernels_for(traits, device_id, None if source is None else check_source(traits, source))
     fallback = getattr(family, "untuned", None)
     if knobs is None and source is None and fallback and any(k.local_bytes for k in kernels.values()):
-        # A tuned entry that spills for this dtype mix on this GPU: the heuristic's pick instead.
+        # A pick that spills for this dtype mix on this GPU (a tuned entry, an unstaged forward): the fallback's.
         plain = fallback(arch=arch, **dict(base))
         if plain != traits:
             traits, kernels = plain, kernels_for(plain, device_id)

@@ -27,10 +27,11 @@ CLUSTER_MIN_ARCH = 90
 MIN_ARCH = 80  # cp.async and the bf16/f16x2 conversion instructions
 # The independent knobs: launch shape and research levers (what tuning varies and `traits=` may force).
 KNOBS = ("warps_m", "warps_n", "ctas_per_row", "bytes_per_ldg", "stages", "cache_weights", "min_ctas_per_sm",
-         "smem_accumulators", "recompute", "lanes_per_row")
+         "smem_accumulators", "recompute", "lanes_per_row", "persistent")
 # What a knob left out takes when others are given (`traits=` mappings, the tuner).
 KNOB_DEFAULTS = dict(warps_m=1, warps_n=1, ctas_per_row=1, bytes_per_ldg=16, stages=2, cache_weights=True,
-                     min_ctas_per_sm=1, smem_accumulators=False, recompute=True, lanes_per_row=THREADS_PER_WARP)
+                     min_ctas_per_sm=1, smem_accumulators=False, recompute=True, lanes_per_row=THREADS_PER_WARP,
+                     persistent=True)
 LATE_DGAMMA_MAX_ELTS = 16  # see Traits.late_dgamma
 LANES_PER_ROW = (4, 8, 16, 32)  # lanes of a warp sharing a row: below 32, a warp holds several (short) rows
 # The backward's finalize kernel: warps per CTA (each sums a slice of the partial
@@ -70,6 +71,10 @@ class Traits:
     lanes_per_row: lanes of a warp sharing a row: 32, or 16, 8 or 4 to put
       several rows in each warp (short rows, e.g. q/k heads of 64-256: the
       reductions run over the row's lanes only; warps_n = ctas_per_row = 1).
+    persistent: the grid is one wave of CTAs, each walking many row groups
+      (True), or (forward, stages == 1) a CTA for every row group, each
+      reading its rows straight into registers and exiting (the hardware
+      scheduler then overlaps one CTA's reductions with the next one's loads).
     has_weight / has_bias: whether gamma / beta are present.
     rms: RMSNorm (no mean) rather than LayerNorm; with has_bias, y = xhat * w + b.
     has_residual: forward: x + residual is normalized and stored; backward:
@@ -133,6 +138,7 @@ class Traits:
     smem_accumulators: bool | None = None
     recompute: bool | None = None
     lanes_per_row: int | None = None
+    persistent: bool | None = None
     has_weight: bool = True
     has_bias: bool = True
     rms: bool = False
@@ -376,6 +382,8 @@ class Traits:
         rule(self.elts_per_thread <= self.max_elts_per_thread,
              f"{self.elts_per_thread} elements per thread exceed the register budget of {self.max_elts_per_thread}")
         rule(1 <= self.stages <= 8, "STAGES must be 1..8")
+        rule(self.persistent or (not self.backward and self.stages == 1),
+             "a grid of a CTA per row group (PERSISTENT = false) is a forward of one stage")
         rule(self.stages == 1 or all(self.elts_per_ldg * dtypes.itemsize(d) >= 4 for d in self.staged_dtypes),
              "staged rows need vectors of >= 4 bytes of every staged row tensor (cp.async moves 4-16 bytes)")
         rule(self.row_axes in (1, 3), "ROW_AXES must be 1 or 3")
@@ -460,7 +468,8 @@ class Traits:
                 f"BYTES_PER_LDG={self.bytes_per_ldg} STAGES={self.stages} CACHE_WEIGHTS={int(self.cache_weights)} "
                 f"MIN_CTAS_PER_SM={self.min_ctas_per_sm}" + (" SMEM_ACCUMULATORS=1" if self.smem_accumulators else "")
                 + ("" if self.recompute else " RECOMPUTE=0")
-                + ("" if self.lanes_per_row == THREADS_PER_WARP else f" LANES_PER_ROW={self.lanes_per_row}"))
+                + ("" if self.lanes_per_row == THREADS_PER_WARP else f" LANES_PER_ROW={self.lanes_per_row}")
+                + ("" if self.persistent else " PERSISTENT=0"))
 
     def knobs(self) -> dict:
         return {k: getattr(self, k) for k in KNOBS}
@@ -499,6 +508,7 @@ class Traits:
             "CACHE_WEIGHTS": "true" if self.cache_weights else "false",
             "MIN_CTAS_PER_SM": self.min_ctas_per_sm,
             "STAGES": self.stages,
+            "PERSISTENT": "true" if self.persistent else "false",
             "SMEM_ACCUMULATORS": "true" if self.smem_accumulators else "false",
             "RECOMPUTE": "true" if self.recompute else "false",
             "FROM_OUTPUT": int(self.from_output),

@@ -147,6 +147,27 @@ def candidates(hidden_size: int, dtype: str, backward: bool, arch: int = 90, rms
         # aligned one, whose knobs dispatch would not take for them.
         if t is not None and not (job.key.general and t.aligned_rows):
             out.append(t)
+            if not backward and ctas == 1:  # the forward's shapes also unstaged, under a 64-register cap
+                out += _unstaged(t, (64,), arch)
+    return out
+
+
+UNSTAGED_CAPS = (48, 64, 80, 128)  # registers a thread, an unstaged forward's refinements
+
+
+def _unstaged(shape: Traits, caps, arch: int) -> list:
+    """A forward shape without a persistent grid (a CTA a row group, rows straight into registers), its
+    registers capped at each of `caps` (fewer registers: more CTAs an SM to overlap the rows' latencies)."""
+    out = []
+    for cap in caps:
+        try:
+            t = shape.replace(persistent=False, stages=1,
+                              min_ctas_per_sm=max(1, 65536 // (shape.threads_per_cta * cap)))
+            t.check_arch(arch)
+        except ValueError:
+            continue
+        if t not in out:
+            out.append(t)
     return out
 
 
@@ -158,7 +179,10 @@ def _extras(backward: bool):
 
 
 def refinements(shape: Traits, arch: int = 90) -> list:
-    """Phase 1, on a fast shape: the extras (stages, register cap, weight caching, shared-memory sums)."""
+    """Phase 1, on a fast shape: the extras (stages, register cap, weight caching, shared-memory sums); an
+    unstaged forward's: its register caps, with weights held or re-read."""
+    if not shape.persistent:
+        return [t for cache in (False, True) for t in _unstaged(shape.replace(cache_weights=cache), UNSTAGED_CAPS, arch)]
     out = []
     for values in _extras(shape.backward):
         try:

@@ -15,6 +15,7 @@
 // every sum runs in a fixed order, so the results are bitwise reproducible.
 #include "cunorm_common.cuh"
 #include "norm_traits.cuh"
+static_assert(PERSISTENT, "the backward's CTAs each sum their rows' column partials: a persistent grid");
 
 constexpr bool SMEM_ACCUMULATORS = ${SMEM_ACCUMULATORS};
 constexpr bool RECOMPUTE = ${RECOMPUTE};  // recompute xhat and g after the reduction instead of holding them

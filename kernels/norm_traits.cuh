@@ -34,6 +34,7 @@ constexpr bool ALIGNED_ROWS = ${ALIGNED_ROWS};
 constexpr bool CACHE_WEIGHTS = ${CACHE_WEIGHTS};
 constexpr int MIN_CTAS_PER_SM = ${MIN_CTAS_PER_SM};
 constexpr int STAGES = ${STAGES};  // rows in flight per thread (>= 2: staged in shared memory)
+constexpr bool PERSISTENT = ${PERSISTENT};  // one wave of CTAs walking many rows, or (forward) a CTA a row group
 // How a row tensor's rows are found: one row stride (1), or up to three leading
 // axes with their own strides (3: e.g. q/k views [B, S, H, D] of a fused QKV
 // buffer, whose leading strides do not merge into one). Aligned rows only.
@@ -74,6 +75,7 @@ static_assert(CTAS_PER_ROW == 1 || CTAS_PER_ROW == 2 || CTAS_PER_ROW == 4 || CTA
               "CTAS_PER_ROW must be 1, 2, 4 or 8 (a portable cluster)");
 static_assert(CTAS_PER_ROW == 1 || WARPS_M == 1, "several CTAs per row need WARPS_M == 1");
 static_assert(STAGES >= 1 && STAGES <= 8, "STAGES must be 1..8");
+static_assert(PERSISTENT || STAGES == 1, "a grid of a CTA per row group reads its rows straight into registers");
 static_assert(MIN_CTAS_PER_SM >= 1 && MIN_CTAS_PER_SM * THREADS_PER_CTA <= 2048,
               "MIN_CTAS_PER_SM must be >= 1 and fit 2048 threads per SM");
 static_assert(LANES_PER_ROW == 4 || LANES_PER_ROW == 8 || LANES_PER_ROW == 16 || LANES_PER_ROW == 32,
@@ -402,7 +404,8 @@ struct RowPipe {
 };
 
 // Walks this CTA's rows (a persistent grid: row groups group, group + groups,
-// ...), keeping STAGES - 1 rows of every pipe in flight, and calls
+// ...; without PERSISTENT the grid covers the rows, one group a CTA, up to the
+// grid's size limit), keeping STAGES - 1 rows of every pipe in flight, and calls
 // body(row, row_ok, stage) once the stage holding `row` has landed. Every
 // thread of a CTA runs the same number of iterations (the body may hold
 // barriers); rows past the end arrive as zeros and are not to be stored.

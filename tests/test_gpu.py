@@ -211,6 +211,37 @@ def test_many_rows_per_cta(knobs, rng):
         assert check.rel_l2(g, r) < tol
 
 
+UNSTAGED = (("stages", 1), ("persistent", False))
+
+
+@pytest.mark.parametrize("case", [
+    # Rows beyond 2^16 CTAs, the last of them part-filled (warps_m = 4).
+    check.Case("layer_norm", 1024, 100_003, "bfloat16", "float32", knobs=(*UNSTAGED, ("warps_n", 2), ("warps_m", 4))),
+    # The general kernel (odd N, an offset view) and fp32 weights over fp16 x.
+    check.Case("layer_norm", 4097, 1001, "float16", "float32", layout="offset:3",
+               knobs=(*UNSTAGED, ("warps_n", 8), ("warps_m", 2))),
+    # A cluster row (4 CTAs), a residual, RMSNorm with a bias.
+    check.Case("rms_norm", 65536, 37, "bfloat16", "bfloat16", residual_dtype="bfloat16",
+               knobs=(*UNSTAGED, ("ctas_per_row", 4), ("warps_n", 16), ("bytes_per_ldg", 16))),
+    # fp8 output scaled per row; q/k views of a fused buffer with weights per head.
+    check.Case("rms_norm", 2048, 999, "bfloat16", "bfloat16", has_bias=False, out_dtype="float8_e4m3fn",
+               scaling="row", knobs=(*UNSTAGED, ("warps_n", 2), ("bytes_per_ldg", 8))),
+    check.Case("layer_norm", 128, 6 * 1000, "bfloat16", "bfloat16", layout="qkv", heads=3, per_head=True,
+               knobs=(*UNSTAGED, ("warps_m", 4), ("lanes_per_row", 8), ("cache_weights", False))),
+], ids=lambda c: c.label())
+def test_unstaged_forward_grids(case, rng, launches):
+    """persistent=False forwards (a CTA per row group, no staging) against the float64 reference, with the
+    grid covering every row group: whatever the shape, layout, cluster or flag."""
+    bad = [f"{r.output}: {r.error:.3e} > {r.tolerance:.0e}" for r in check.run_case(case, rng) if not r.ok]
+    assert not bad, bad
+    t = dispatch.from_knobs(dict(case.knobs), **check.case_call(case))
+    grids = [grid // t.ctas_per_row for k, grid, _ in launches if k is not None]  # the case's forwards only
+    groups = -(-case.rows // t.rows_per_cta)
+    # General rows: down to whole shift periods (at most one vector's elements), the first CTAs taking the rest.
+    fewest = groups if t.aligned_rows else groups - t.elts_per_ldg + 1
+    assert grids and all(fewest <= g <= groups for g in grids), (grids, groups)
+
+
 def test_forced_traits(rng):
     import cupy
 

@@ -3,7 +3,7 @@ import math
 
 import pytest
 
-from cunorm import Traits, dispatch, dtypes
+from cunorm import Traits, check, dispatch, dtypes
 from cunorm.traits import KNOBS
 
 
@@ -109,11 +109,16 @@ def test_general_tuned_entries_are_legal_and_used_beside_their_size():
                                             backward=backward, aligned_vector=1)
                 assert source == "tuned" and not t.aligned_rows, (odd, dtype, backward)
                 assert tuple(t.knobs().values())[:len(knobs)] == tuple(int(v) for v in knobs)
-        # Aligned rows of N itself keep the aligned entry.
-        t, _ = dispatch.choose(hidden_size=n, input_dtype="bfloat16", weight_dtype="bfloat16",
-                               output_dtype="bfloat16", backward=backward)
-        assert t.aligned_rows and tuple(t.knobs().values())[:len(dispatch.TUNED[(backward, n, 2)])] == \
-            tuple(int(v) for v in dispatch.TUNED[(backward, n, 2)])
+        # Aligned rows of N itself keep the aligned entry; where the literal has none (plain forwards the
+        # unstaged grid serves), the heuristic's.
+        t, source = dispatch.choose(hidden_size=n, input_dtype="bfloat16", weight_dtype="bfloat16",
+                                    output_dtype="bfloat16", backward=backward)
+        assert t.aligned_rows
+        if (backward, n, 2) in dispatch.TUNED:
+            assert tuple(t.knobs().values())[:len(dispatch.TUNED[(backward, n, 2)])] == \
+                tuple(int(v) for v in dispatch.TUNED[(backward, n, 2)])
+        else:
+            assert source == "heuristic" and not backward and not t.persistent
 
 
 @pytest.mark.parametrize("backward", [False, True])
@@ -247,6 +252,15 @@ def test_one_launch_policy_and_its_capped_grid():
     per_head = t.replace(per_head=True, cache_weights=False, warps_m=2)
     groups = prepared(96, heads=12).grid_groups(kernel, per_head, most=5)
     assert groups % (12 // math.gcd(12, 2)) == 0 and groups == 6
+    # Without a persistent grid: a group a CTA however many rows, up to the grid's size limit.
+    unstaged = Traits(hidden_size=4096, input_dtype="bfloat16", warps_n=4, warps_m=4, stages=1, persistent=False)
+    assert prepared(100_003).grid_groups(kernel, unstaged) == 25_001
+    cluster = SimpleNamespace(resident_clusters=30)
+    assert prepared(10**12).grid_groups(cluster, unstaged.replace(warps_m=1, ctas_per_row=2)) == (2**31 - 1) // 2
+    shifted = Traits(hidden_size=4097, input_dtype="bfloat16", warps_n=4, bytes_per_ldg=16, aligned_rows=False,
+                     stages=1, persistent=False)
+    # General rows keep whole shift periods (8 here): 1000 groups, the first CTA also taking row 1000.
+    assert prepared(1001, ld=4097).grid_groups(kernel, shifted) == 1000
 
 
 def test_several_rows_a_warp():
@@ -258,7 +272,10 @@ def test_several_rows_a_warp():
     assert t.template_values()["LANES_PER_ROW"] == 8 and "LANES_PER_ROW=8" in t.short()
     whole = t.replace(lanes_per_row=32)
     assert "LANES_PER_ROW" not in whole.short() and whole.rows_per_cta == 4 and whole.threads_per_cta == 128
-    assert KNOBS[-1] == "lanes_per_row"  # the tuned literal's tuples name the knobs before it: they keep 32
+    # The tuned literal's tuples name the knobs before lanes_per_row and persistent: they keep 32 lanes and
+    # a persistent grid.
+    assert max(map(len, [*dispatch.TUNED.values(), *dispatch.TUNED_GENERAL.values()])) <= \
+        KNOBS.index("lanes_per_row") < KNOBS.index("persistent")
     assert dispatch.from_knobs(dict(zip(KNOBS, (4, 1, 1, 16, 2, 1, 1, 0))), hidden_size=1024,
                                input_dtype="bfloat16").lanes_per_row == 32
 
@@ -311,3 +328,57 @@ def test_late_dgamma_is_fp32_layernorm_backward_of_short_aligned_rows_and_keeps_
                     dict(dx1_dtype="float32", dropout=True, dx0_dtype="float32"), dict(bytes_per_ldg=4)):
         t = plain.replace(**changes)  # with dropout, a row scale, x1's gradient, 4-byte vectors
         assert not t.late_dgamma, changes
+
+
+def test_persistent_knob_rules():
+    """persistent=False (a CTA per row group): a forward of one stage only; named in short() and rendered."""
+    t = Traits(hidden_size=4096, input_dtype="bfloat16", warps_n=4, bytes_per_ldg=8, stages=1, persistent=False)
+    assert "PERSISTENT=0" in t.short() and t.template_values()["PERSISTENT"] == "false"
+    assert "PERSISTENT" not in t.replace(persistent=True).short()
+    assert Traits(hidden_size=4096, input_dtype="bfloat16", warps_n=4).persistent  # the default
+    with pytest.raises(ValueError, match="PERSISTENT = false"):
+        t.replace(stages=2)
+    with pytest.raises(ValueError, match="PERSISTENT = false"):
+        t.replace(backward=True)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_heuristic_runs_plain_forwards_unstaged(dtype):
+    """Plain aligned forwards of 768-16384 (past 10 warps a row, powers of two) get a CTA per row, 64 bytes of
+    x a thread, registers capped for 32 warps an SM (48 registers for short 2-byte rows, 80 with weights
+    wider than x); everything else keeps the persistent grid."""
+    itemsize = dtypes.itemsize(dtype)
+    for n in (768, 1024, 2048, 3072, 4096, 8192, 10240, 12288, 16384):
+        warps = -(-n * itemsize // 64 // 32)
+        served = warps <= 10 or warps & (warps - 1) == 0
+        for rms in (False, True):
+            t = dispatch.heuristic(hidden_size=n, input_dtype=dtype, rms=rms, has_bias=not rms)
+            assert t.persistent != served, (n, rms)
+            if served:
+                threads = max(64, 32 * warps)
+                regs = 48 if itemsize == 2 and n <= 16 * threads else 64
+                assert (t.warps_m, t.threads_per_cta, t.stages, t.elts_per_ldg, t.ctas_per_row) == (1, threads, 1, 4, 1)
+                assert t.min_ctas_per_sm == max(1, 65536 // (threads * regs)) and not t.cache_weights
+    plain = dict(hidden_size=4096, input_dtype=dtype)
+    wider = "float32" if itemsize == 2 else "float64"
+    wide = dispatch.heuristic(**plain, weight_dtype=wider, bias_dtype=wider)
+    assert not wide.persistent and wide.min_ctas_per_sm == 65536 // (wide.threads_per_cta * 80)
+    for other in (dict(backward=True), dict(has_residual=True, residual_dtype=dtype), dict(dropout=True),
+                  dict(x1_dtype=dtype), dict(weight1_dtype=dtype), dict(aligned_rows=False),
+                  dict(output_dtype="float8_e4m3fn", quant="row"), dict(hidden_size=512), dict(hidden_size=32768),
+                  dict(elts_per_ldg=2)):
+        assert dispatch.heuristic(**{**plain, **other}).persistent, other
+
+
+def test_a_spilling_unstaged_pick_falls_back_to_the_staged_heuristic():
+    call = dict(hidden_size=4096, input_dtype="bfloat16", weight_dtype="bfloat16", output_dtype="bfloat16")
+    t, origin = dispatch.choose(arch=90, **call)
+    assert origin == "heuristic" and not t.persistent and dispatch.may_fall_back(t, origin)
+    plain = dispatch.fallback(90, **call)
+    assert plain.persistent and plain == dispatch.heuristic(arch=90, unstaged=False, **call)
+    persistent = dispatch.choose(arch=90, backward=True, **call)
+    assert not dispatch.may_fall_back(persistent[0], "heuristic")
+    # The checker's compile-only path replaces it as the GPU path does (plan._plan).
+    case = check.Case("layer_norm", 4096, 3, "bfloat16", "bfloat16")
+    picks = list(check.case_kernels([case], 90, spills=lambda traits: not traits.persistent))
+    assert [(p.persistent, origin) for p, origin in picks] == [(True, "heuristic (the pick spills)")]

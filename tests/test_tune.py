@@ -408,5 +408,6 @@ def test_what_dispatch_runs_today_competes(gpu):
     table.put(key, incumbent, ms=1.0, fraction_of_copy=0.5, spread=[0.5, 0.5], dtype="bfloat16", measured_n=1024)
     tables.save(table)
     assert run_tune("--sizes", "1024", "--ops", "fwd", "--fresh").exit_code == 0
-    # A table entry written before a knob existed (lanes_per_row here) is timed with that knob's default.
-    assert frozen({**incumbent, "lanes_per_row": 32}) in gpu.timed_knobs(key, 1024, "bfloat16")
+    # A table entry written before a knob existed (lanes_per_row, persistent here) is timed with that knob's
+    # default.
+    assert frozen({**incumbent, "lanes_per_row": 32, "persistent": True}) in gpu.timed_knobs(key, 1024, "bfloat16")

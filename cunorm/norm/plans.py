@@ -15,6 +15,8 @@ from ..launch import CallPlan, Launch, Output, span
 from ..traits import QUANT_GROUP_COLS, Traits
 from .calls import BACKWARD, BRANCH_ARRAYS, FORWARD, Direction
 
+MAX_GRID_CTAS = 2**31 - 1  # gridDim.x
+
 class Family:
     """The normalization kernel family, for cunorm.plan."""
 
@@ -30,8 +32,8 @@ class Family:
 
     @staticmethod
     def untuned(arch: int, **call) -> Traits:
-        """What dispatch picks without the tuned tables (for a tuned entry that spills on a dtype mix)."""
-        return dispatch.choose(arch=arch, tuned=False, **call)[0]
+        """What runs a call whose pick spills on its dtype mix (dispatch.fallback)."""
+        return dispatch.fallback(arch, **call)
 
 
 @dataclass
@@ -53,14 +55,16 @@ class Prepared:
         return plan.resolve(Family, traits, self.base, device_id, source)
 
     def grid_groups(self, kernel, t: Traits, most: int | None = None, least: int = 1) -> int:
-        """Row groups of a persistent grid: one wave of CTAs (at most `most`
+        """Row groups of the grid: of a persistent one, one wave of CTAs (at most `most`
         groups; at least `least` where there are fewer rows, the rest with
         none: a grid-finalize backward's sum), each walking many rows; a multiple of the shift period
         (general kernel), so that every row of a thread sits at the same
         offset from a vector boundary, and (backward with weights per head) of
-        the heads, so that every row of a CTA row (warp_m) has the same head."""
+        the heads, so that every row of a CTA row (warp_m) has the same head.
+        Without `t.persistent`, a group a CTA, up to the grid's size limit."""
         groups = max(-(-self.row_count // t.rows_per_cta), least)
-        groups = min(groups, kernel.resident_clusters, most or groups)  # a group is one cluster (CTAS_PER_ROW CTAs)
+        resident = kernel.resident_clusters if t.persistent else MAX_GRID_CTAS // t.ctas_per_row
+        groups = min(groups, resident, most or groups)  # a group is one cluster (CTAS_PER_ROW CTAs)
         x = self.rows["x"]
         period = 1 if t.aligned_rows else layout.shift_period(x.ld, x.rows, t.elts_per_ldg)
         if t.per_head and t.backward:

@@ -193,7 +193,12 @@ def _late_dgamma_registers(t: Traits) -> Traits:
 UNSTAGED_MIN_N, UNSTAGED_MAX_N = 768, 16384  # the sizes measured (shorter rows: the shared-warp shapes)
 UNSTAGED_ANY_WARPS = 10  # rows of up to this many warps; wider ones, a power of two
 UNSTAGED_ELTS_PER_LDG = 4  # 8-byte loads of 2-byte x, 16-byte ones of fp32 (bf16: 8 bytes read as well as 16)
-UNSTAGED_BYTES_PER_THREAD = 64  # of x: 32 bf16 or 16 fp32 elements
+# Bytes of x a thread, by "holds two rows" (a residual: x and the residual, summed in fp32): 32 or 16 bf16
+# elements. With a residual (PERFORMANCE.md version 38): H100 0.91-0.94 of copy -> 0.97-0.99, H200
+# 0.87-0.91 -> 0.95-0.98; but rows of 32 warps (1024-thread CTAs, one an SM) lost on the H200 (LayerNorm bf16
+# 16384 and fp32 8192: -0.04): with a residual, at most UNSTAGED_TWO_ROW_WARPS warps a row.
+UNSTAGED_BYTES_PER_THREAD = {False: 64, True: 32}
+UNSTAGED_TWO_ROW_WARPS = 16
 UNSTAGED_MIN_THREADS = 64
 # A thread's register cap (32 warps an SM at 64). 2-byte rows of up to 16 elements a thread: 48 (LayerNorm
 # bf16 at 768 and 1024 read 0.87 / 0.91 of copy under 64, 0.90 / 0.93 under 48). Weights wider than x (fp32
@@ -207,22 +212,23 @@ def unstaged_forward(*, hidden_size: int, input_dtype: str, elts_per_ldg: int, a
     """A plain forward's traits without a persistent grid (Traits.persistent), or None where the call is not
     one measured to gain: aligned rows of 2- or 4-byte x of UNSTAGED_ELTS_PER_LDG-element vectors, of
     UNSTAGED_MIN_N to UNSTAGED_MAX_N elements (past UNSTAGED_ANY_WARPS warps a row, a power-of-two count),
-    without a residual, a branch, x1, a second output or fp8 scaling (whose extra reductions spill under
-    the register cap)."""
-    extra = ("has_residual", "dropout", "rowscale_dtype", "x1_dtype", "weight1_dtype")
+    with or without a residual (then up to UNSTAGED_TWO_ROW_WARPS warps a row); without a branch, x1, a second output or fp8 scaling (whose extra
+    reductions spill under the register cap)."""
+    extra = ("dropout", "rowscale_dtype", "x1_dtype", "weight1_dtype")
     itemsize = dtypes.itemsize(input_dtype)
     if (not aligned_rows or elts_per_ldg < UNSTAGED_ELTS_PER_LDG or itemsize not in (2, 4)
             or not UNSTAGED_MIN_N <= hidden_size <= UNSTAGED_MAX_N or any(rest.get(k) for k in extra)
             or rest.get("quant", "none") != "none"):
         return None
-    warps = -(-hidden_size // (UNSTAGED_BYTES_PER_THREAD // itemsize) // THREADS_PER_WARP)
-    if warps > UNSTAGED_ANY_WARPS and warps & (warps - 1):
+    two_rows = bool(rest.get("has_residual"))
+    warps = -(-hidden_size // (UNSTAGED_BYTES_PER_THREAD[two_rows] // itemsize) // THREADS_PER_WARP)
+    if (warps > UNSTAGED_ANY_WARPS and warps & (warps - 1)) or (two_rows and warps > UNSTAGED_TWO_ROW_WARPS):
         return None
     threads = max(UNSTAGED_MIN_THREADS, warps * THREADS_PER_WARP)
     weights = [rest.get("weight_dtype")] * rest.get("has_weight", True) + [rest.get("bias_dtype")] * rest.get("has_bias", True)
     if any(d is not None and dtypes.itemsize(d) > itemsize for d in weights):
         registers = UNSTAGED_WIDE_WEIGHT_REGISTERS
-    elif itemsize == 2 and hidden_size <= UNSTAGED_SHORT_ELTS * threads:
+    elif itemsize == 2 and not two_rows and hidden_size <= UNSTAGED_SHORT_ELTS * threads:
         registers = UNSTAGED_SHORT_REGISTERS
     else:
         registers = UNSTAGED_REGISTERS

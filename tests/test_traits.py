@@ -345,7 +345,7 @@ def test_persistent_knob_rules():
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
 def test_heuristic_runs_plain_forwards_unstaged(dtype):
     """Plain aligned forwards of 768-16384 (past 10 warps a row, powers of two) get a CTA per row, 64 bytes of
-    x a thread, registers capped for 32 warps an SM (48 registers for short 2-byte rows, 80 with weights
+    x a thread (32 with a residual), registers capped for 32 warps an SM (48 registers for short 2-byte rows, 80 with weights
     wider than x); everything else keeps the persistent grid."""
     itemsize = dtypes.itemsize(dtype)
     for n in (768, 1024, 2048, 3072, 4096, 8192, 10240, 12288, 16384):
@@ -363,7 +363,14 @@ def test_heuristic_runs_plain_forwards_unstaged(dtype):
     wider = "float32" if itemsize == 2 else "float64"
     wide = dispatch.heuristic(**plain, weight_dtype=wider, bias_dtype=wider)
     assert not wide.persistent and wide.min_ctas_per_sm == 65536 // (wide.threads_per_cta * 80)
-    for other in (dict(backward=True), dict(has_residual=True, residual_dtype=dtype), dict(dropout=True),
+    # With a residual (two rows a thread): 32 bytes of x a thread, a 64-register cap.
+    res = dispatch.heuristic(**plain, has_residual=True, residual_dtype=dtype)
+    warps = -(-4096 * itemsize // 32 // 32)
+    assert not res.persistent and res.threads_per_cta == 32 * warps == (4096 // res.elts_per_thread)
+    assert res.min_ctas_per_sm == 65536 // (res.threads_per_cta * 64)
+    wide_rows = dict(hidden_size=16384 if itemsize == 2 else 8192, has_residual=True, residual_dtype=dtype)
+    assert dispatch.heuristic(**{**plain, **wide_rows}).persistent  # 32 warps a row with a residual: not served
+    for other in (dict(backward=True), dict(dropout=True),
                   dict(x1_dtype=dtype), dict(weight1_dtype=dtype), dict(aligned_rows=False),
                   dict(output_dtype="float8_e4m3fn", quant="row"), dict(hidden_size=512), dict(hidden_size=32768),
                   dict(elts_per_ldg=2)):

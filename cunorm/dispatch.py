@@ -184,8 +184,8 @@ def _late_dgamma_registers(t: Traits) -> Traits:
     return t
 
 
-# Plain forwards: a CTA per row, loaded straight into registers, no persistent grid, registers capped so
-# that many CTAs share an SM (`unstaged_forward`). Measured on an H200 (bf16 and fp32, kernel time,
+# Forwards (plain, or with a residual): a CTA per row, loaded straight into registers, no persistent grid,
+# registers capped so that many CTAs share an SM (`unstaged_forward`). Measured on an H200 (bf16 and fp32, kernel time,
 # PERFORMANCE.md version 37): bf16 LayerNorm 0.83-0.90 of copy -> 0.91-0.94 and RMSNorm 0.81-0.92 -> 0.92-0.95
 # at N = 1024-10240, fp32 0.85-0.88 -> 0.95-0.97 at N = 768-8192. Rows of more than 10 warps gained only
 # with a power-of-two count (bf16 16384: 2 CTAs of 16 warps an SM; fp32 16384: 1 of 32, 0.53 -> 0.80);
@@ -209,11 +209,11 @@ UNSTAGED_SHORT_ELTS = 16
 
 def unstaged_forward(*, hidden_size: int, input_dtype: str, elts_per_ldg: int, aligned_rows: bool, arch: int,
                      **rest) -> Traits | None:
-    """A plain forward's traits without a persistent grid (Traits.persistent), or None where the call is not
-    one measured to gain: aligned rows of 2- or 4-byte x of UNSTAGED_ELTS_PER_LDG-element vectors, of
+    """A forward's traits without a persistent grid (Traits.persistent), or None where the call is not one
+    measured to gain: aligned rows of 2- or 4-byte x of UNSTAGED_ELTS_PER_LDG-element vectors, of
     UNSTAGED_MIN_N to UNSTAGED_MAX_N elements (past UNSTAGED_ANY_WARPS warps a row, a power-of-two count),
-    with or without a residual (then up to UNSTAGED_TWO_ROW_WARPS warps a row); without a branch, x1, a second output or fp8 scaling (whose extra
-    reductions spill under the register cap)."""
+    with or without a residual (then up to UNSTAGED_TWO_ROW_WARPS warps a row); without a branch, x1, a
+    second output or fp8 scaling (whose extra reductions spill under the register cap)."""
     extra = ("dropout", "rowscale_dtype", "x1_dtype", "weight1_dtype")
     itemsize = dtypes.itemsize(input_dtype)
     if (not aligned_rows or elts_per_ldg < UNSTAGED_ELTS_PER_LDG or itemsize not in (2, 4)
@@ -225,7 +225,8 @@ def unstaged_forward(*, hidden_size: int, input_dtype: str, elts_per_ldg: int, a
     if (warps > UNSTAGED_ANY_WARPS and warps & (warps - 1)) or (two_rows and warps > UNSTAGED_TWO_ROW_WARPS):
         return None
     threads = max(UNSTAGED_MIN_THREADS, warps * THREADS_PER_WARP)
-    weights = [rest.get("weight_dtype")] * rest.get("has_weight", True) + [rest.get("bias_dtype")] * rest.get("has_bias", True)
+    weights = ([rest.get("weight_dtype")] * rest.get("has_weight", True)
+               + [rest.get("bias_dtype")] * rest.get("has_bias", True))
     if any(d is not None and dtypes.itemsize(d) > itemsize for d in weights):
         registers = UNSTAGED_WIDE_WEIGHT_REGISTERS
     elif itemsize == 2 and not two_rows and hidden_size <= UNSTAGED_SHORT_ELTS * threads:
@@ -245,8 +246,8 @@ def unstaged_forward(*, hidden_size: int, input_dtype: str, elts_per_ldg: int, a
 
 def heuristic(*, hidden_size: int, input_dtype: str, elts_per_ldg: int | None = None, aligned_rows: bool = True,
               backward: bool = False, arch: int = CLUSTER_MIN_ARCH, unstaged: bool = True, **rest) -> Traits:
-    """Legal traits for any hidden size: a plain forward unstaged_forward
-    serves takes its traits (unless `unstaged` is False); otherwise the candidate with the fewest idle
+    """Legal traits for any hidden size: a forward unstaged_forward serves
+    takes its traits (unless `unstaged` is False); otherwise the candidate with the fewest idle
     vector slots and the load count closest to TARGET_LDGS, preferring fewer
     CTAs per row and rows within the register budget; then enough rows per
     CTA to reach MIN_THREADS_PER_CTA."""
@@ -256,10 +257,10 @@ def heuristic(*, hidden_size: int, input_dtype: str, elts_per_ldg: int | None = 
         while hidden_size % elts_per_ldg:
             elts_per_ldg //= 2
     if unstaged and not backward:
-        unstaged = unstaged_forward(hidden_size=hidden_size, input_dtype=input_dtype, elts_per_ldg=elts_per_ldg,
-                                    aligned_rows=aligned_rows, arch=arch, **rest)
-        if unstaged is not None:
-            return unstaged
+        pick = unstaged_forward(hidden_size=hidden_size, input_dtype=input_dtype, elts_per_ldg=elts_per_ldg,
+                                aligned_rows=aligned_rows, arch=arch, **rest)
+        if pick is not None:
+            return pick
     two_rows = backward or rest.get("has_residual", False) or rest.get("x1_dtype") is not None
     ctas_options = (1, 2, 4, 8) if arch >= CLUSTER_MIN_ARCH else (1,)
     best, best_cost = None, math.inf

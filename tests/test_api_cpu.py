@@ -311,7 +311,7 @@ def test_qk_views_of_a_fused_buffer_and_rmsnorm_bias_on_the_numpy_path(rng):
     q, k = qkv[:, :, 0], qkv[:, :, 1]
     w, b = rng.standard_normal(64).astype(np.float32), rng.standard_normal(64).astype(np.float32)
     ex = cunorm.explain("rms_norm", q, w, out=q)
-    assert "3-axis-rows" in str(ex) and "copied" not in str(ex)
+    assert "3-axis-rows" in str(ex) and "copied" not in str(ex) and "unstaged" not in str(ex)
     q64 = q.astype(np.float64)
     want = q64 / np.sqrt((q64 ** 2).mean(-1, keepdims=True) + 1e-6) * w + b
     y, rstd = cunorm.rms_norm(q, w, bias=b, return_stats=True)
@@ -466,3 +466,10 @@ def test_fp8_group_scaling_and_per_head_bias_refusals(rng):
     y, rstd = cunorm.rms_norm(x4, w0, return_stats=True)
     dx, dw = cunorm.rms_norm_backward(y, rstd=rstd, weight=w0, y=y)
     assert np.isfinite(dx).all() and np.isfinite(dw).all() and dw[3] == 0.0
+
+
+def test_explain_names_an_unstaged_forward():
+    x = np.ones((8, 4096), np.float32)
+    ex = cunorm.explain("layer_norm", x)
+    assert not ex.traits.persistent and "unstaged forward: a CTA per row" in str(ex) and "64 registers" in str(ex)
+    assert "unstaged" not in str(cunorm.explain("layer_norm_backward", x, x, x[:, 0], x[:, 0]))

@@ -17,6 +17,7 @@ from .calls import BACKWARD, BRANCH_ARRAYS, FORWARD, Direction
 
 MAX_GRID_CTAS = 2**31 - 1  # gridDim.x
 
+
 class Family:
     """The normalization kernel family, for cunorm.plan."""
 

@@ -18,7 +18,7 @@ import math
 
 from . import dtypes
 from .traits import (CLUSTER_MIN_ARCH, DEFAULT_SMEM_LIMIT, KNOB_DEFAULTS, KNOBS, LANES_PER_ROW,
-                     PREFERRED_ELTS_PER_THREAD, SMEM_LIMIT, THREADS_PER_WARP, Traits)
+                     PREFERRED_ELTS_PER_THREAD, SMEM_LIMIT, THREADS_PER_WARP, Traits, ctas_for_registers)
 from .tuned import TUNED, TUNED_ARCH, TUNED_GENERAL  # the measured tables, a literal of their own
 
 # Hidden sizes with tuned entries (both directions, every input dtype).
@@ -180,7 +180,7 @@ def _late_dgamma_registers(t: Traits) -> Traits:
     if (t.late_dgamma and all(dtypes.itemsize(d) <= 4 for d in held)
             and not t.per_head and not (t.parallel and not t.smem_accumulators) and t.min_ctas_per_sm == 1
             and t.threads_per_cta in (128, 256)):
-        return t.replace(min_ctas_per_sm=65536 // (128 * t.threads_per_cta))
+        return t.replace(min_ctas_per_sm=ctas_for_registers(t.threads_per_cta, 128))
     return t
 
 
@@ -237,7 +237,7 @@ def unstaged_forward(*, hidden_size: int, input_dtype: str, elts_per_ldg: int, a
         t = Traits(hidden_size=hidden_size, input_dtype=input_dtype, aligned_rows=True, **rest,
                    **{**KNOB_DEFAULTS, "warps_n": threads // THREADS_PER_WARP,
                       "bytes_per_ldg": UNSTAGED_ELTS_PER_LDG * itemsize, "stages": 1, "persistent": False,
-                      "cache_weights": False, "min_ctas_per_sm": max(1, 65536 // (threads * registers))})
+                      "cache_weights": False, "min_ctas_per_sm": ctas_for_registers(threads, registers)})
         t.check_arch(arch)
     except ValueError:
         return None

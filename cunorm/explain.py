@@ -133,7 +133,7 @@ def explain(op, *args, arch: int | str | None = None, **kwargs) -> Explanation:
         reasons.append("dispatch: the heuristic (no tuned entry applies: other GPU, size, residual or layout)")
     if origin != "caller" and not t.persistent:
         reasons.append(f"unstaged forward: a CTA per {'row' if t.rows_per_cta == 1 else f'{t.rows_per_cta} rows'}, "
-                       f"read straight into registers, capped at {65536 // (t.min_ctas_per_sm * t.threads_per_cta)} "
+                       f"read straight into registers, capped at {t.register_cap} "
                        f"registers a thread so that many CTAs share an SM (no persistent grid); if it compiles "
                        f"with spills for this dtype mix, the staged heuristic's pick runs instead")
     path = path_of(t, p.base["max_vector"]) if on_gpu else "reference"

@@ -15,6 +15,12 @@ from . import dtypes
 
 THREADS_PER_WARP = 32
 MAX_THREADS_PER_CTA = 1024
+REGISTERS_PER_SM = 65536
+
+
+def ctas_for_registers(threads_per_cta: int, registers: int) -> int:
+    """MIN_CTAS_PER_SM that caps a thread of a `threads_per_cta` CTA at about `registers` registers."""
+    return max(1, REGISTERS_PER_SM // (threads_per_cta * registers))
 # Elements of a row one thread holds in registers: a hard cap, and what the
 # heuristic stays within when it can (above it the compiler spills; the compile
 # tier checks every tuned entry), keyed by "holds two rows" (the backward's x
@@ -238,6 +244,11 @@ class Traits:
     @property
     def threads_per_cta(self) -> int:
         return self.warps_m * self.warps_n * THREADS_PER_WARP
+
+    @property
+    def register_cap(self) -> int:
+        """Registers a thread may take under MIN_CTAS_PER_SM (before ptxas rounds it down)."""
+        return REGISTERS_PER_SM // (self.min_ctas_per_sm * self.threads_per_cta)
 
     @property
     def elts_per_ldg(self) -> int:

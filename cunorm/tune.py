@@ -31,7 +31,7 @@ import numpy as np
 
 from . import dtypes, tables
 from .check import SHORT_NAMES
-from .traits import Traits
+from .traits import Traits, ctas_for_registers
 
 SHAPES = dict(ctas_per_row=(1, 2, 4, 8), warps_n=(1, 2, 4, 8, 16, 32), warps_m=(1, 2, 4, 8), bytes_per_ldg=(16, 8),
               lanes_per_row=(32, 16, 8, 4))
@@ -162,7 +162,7 @@ def _unstaged(shape: Traits, caps, arch: int) -> list:
     for cap in caps:
         try:
             t = shape.replace(persistent=False, stages=1,
-                              min_ctas_per_sm=max(1, 65536 // (shape.threads_per_cta * cap)))
+                              min_ctas_per_sm=ctas_for_registers(shape.threads_per_cta, cap))
             t.check_arch(arch)
         except ValueError:
             continue
@@ -190,7 +190,7 @@ def refinements(shape: Traits, arch: int = 90) -> list:
             t.check_arch(arch)
         except ValueError:
             continue
-        if 65536 // (t.min_ctas_per_sm * t.threads_per_cta) >= 64:  # a cap below 64 registers only spills
+        if t.register_cap >= 64:  # a cap below 64 registers only spills
             out.append(t)
     return out
 

@@ -190,16 +190,30 @@ def _late_dgamma_registers(t: Traits) -> Traits:
 # at N = 1024-10240, fp32 0.85-0.88 -> 0.95-0.97 at N = 768-8192. Rows of more than 10 warps gained only
 # with a power-of-two count (bf16 16384: 2 CTAs of 16 warps an SM; fp32 16384: 1 of 32, 0.53 -> 0.80);
 # bf16 12288-15360 lost up to 0.13 (2 CTAs of 12-15 warps).
-UNSTAGED_MIN_N, UNSTAGED_MAX_N = 768, 16384  # the sizes measured (shorter rows: the shared-warp shapes)
+UNSTAGED_MIN_N, UNSTAGED_MAX_N = 768, 16384  # whole-warp rows; shorter ones share warps (below)
 UNSTAGED_ANY_WARPS = 10  # rows of up to this many warps; wider ones, a power of two
 UNSTAGED_ELTS_PER_LDG = 4  # 8-byte loads of 2-byte x, 16-byte ones of fp32 (bf16: 8 bytes read as well as 16)
 # Bytes of x a thread, by "holds two rows" (a residual: x and the residual, summed in fp32): 32 or 16 bf16
 # elements. With a residual (PERFORMANCE.md version 38): H100 0.91-0.94 of copy -> 0.97-0.99, H200
 # 0.87-0.91 -> 0.95-0.98; but rows of 32 warps (1024-thread CTAs, one an SM) lost on the H200 (LayerNorm bf16
-# 16384 and fp32 8192: -0.04): with a residual, at most UNSTAGED_TWO_ROW_WARPS warps a row.
+# 16384 and fp32 8192: -0.04): with a residual, at most UNSTAGED_TWO_ROW_WARPS warps a row. The same shape
+# serves fp8 outputs (RMSNorm + residual at 4096 with row scales: 0.906 / 0.891 -> 0.979 / 0.970 of copy on an
+# H100 / H200, version 39).
 UNSTAGED_BYTES_PER_THREAD = {False: 64, True: 32}
 UNSTAGED_TWO_ROW_WARPS = 16
 UNSTAGED_MIN_THREADS = 64
+# Rows shorter than UNSTAGED_MIN_N without a residual share a warp (lanes_per_row < 32; 16-byte loads, two
+# warps a CTA), as few lanes a row as hold these bytes of x a thread, by row axes: rows of a matrix, or
+# three-axis rows (q/k heads of a fused QKV buffer, whose strided layout favoured fewer bytes a thread).
+# Version 39, bf16: 2-D rows of 128-512 0.86-0.90 / 0.81-0.87 of copy -> 0.94-0.96 / 0.92-0.93 on an H100 /
+# H200; q of a fused [16384, 3, 32, 128] buffer 0.874 / 0.834 -> 0.92 / 0.875, where a copy kernel of that
+# view in place reads 0.92 / 0.90.
+# 2-D rows of 256 bf16 read 0.929-0.934 / 0.954-0.956 of copy (H200 / H100) with 128 bytes a thread (4 lanes)
+# where 64 bytes (8 lanes) read 0.900-0.923 / 0.934-0.949; a thread holding more than 64 bytes takes up to
+# UNSTAGED_HELD_ROW_REGISTERS (64 elements of bf16 spill under 64 registers).
+UNSTAGED_SHORT_BYTES_PER_THREAD = {1: 128, 3: 32}
+UNSTAGED_SHORT_WARPS = 2
+UNSTAGED_HELD_ROW_REGISTERS = 128
 # A thread's register cap (32 warps an SM at 64). 2-byte rows of up to 16 elements a thread: 48 (LayerNorm
 # bf16 at 768 and 1024 read 0.87 / 0.91 of copy under 64, 0.90 / 0.93 under 48). Weights wider than x (fp32
 # gamma over bf16 x) spilled 4 bytes under 64.
@@ -210,38 +224,63 @@ UNSTAGED_SHORT_ELTS = 16
 def unstaged_forward(*, hidden_size: int, input_dtype: str, elts_per_ldg: int, aligned_rows: bool, arch: int,
                      **rest) -> Traits | None:
     """A forward's traits without a persistent grid (Traits.persistent), or None where the call is not one
-    measured to gain: aligned rows of 2- or 4-byte x of UNSTAGED_ELTS_PER_LDG-element vectors, of
-    UNSTAGED_MIN_N to UNSTAGED_MAX_N elements (past UNSTAGED_ANY_WARPS warps a row, a power-of-two count),
-    with or without a residual (then up to UNSTAGED_TWO_ROW_WARPS warps a row); without a branch, x1, a
-    second output or fp8 scaling (whose extra reductions spill under the register cap)."""
+    measured to gain: aligned rows of 2- or 4-byte x up to UNSTAGED_MAX_N elements, without a branch, x1 or
+    a second output. Rows of UNSTAGED_MIN_N or more: UNSTAGED_ELTS_PER_LDG-element vectors (past
+    UNSTAGED_ANY_WARPS warps a row, a power-of-two count), with or without a residual (then up to
+    UNSTAGED_TWO_ROW_WARPS warps a row) and fp8 scaling; shorter rows without a residual share warps
+    (`_short_row_shape`)."""
     extra = ("dropout", "rowscale_dtype", "x1_dtype", "weight1_dtype")
     itemsize = dtypes.itemsize(input_dtype)
-    if (not aligned_rows or elts_per_ldg < UNSTAGED_ELTS_PER_LDG or itemsize not in (2, 4)
-            or not UNSTAGED_MIN_N <= hidden_size <= UNSTAGED_MAX_N or any(rest.get(k) for k in extra)
-            or rest.get("quant", "none") != "none"):
+    if (not aligned_rows or itemsize not in (2, 4) or hidden_size > UNSTAGED_MAX_N
+            or any(rest.get(k) for k in extra)):
         return None
     two_rows = bool(rest.get("has_residual"))
-    warps = -(-hidden_size // (UNSTAGED_BYTES_PER_THREAD[two_rows] // itemsize) // THREADS_PER_WARP)
-    if (warps > UNSTAGED_ANY_WARPS and warps & (warps - 1)) or (two_rows and warps > UNSTAGED_TWO_ROW_WARPS):
-        return None
-    threads = max(UNSTAGED_MIN_THREADS, warps * THREADS_PER_WARP)
     weights = ([rest.get("weight_dtype")] * rest.get("has_weight", True)
                + [rest.get("bias_dtype")] * rest.get("has_bias", True))
-    if any(d is not None and dtypes.itemsize(d) > itemsize for d in weights):
-        registers = UNSTAGED_WIDE_WEIGHT_REGISTERS
-    elif itemsize == 2 and not two_rows and hidden_size <= UNSTAGED_SHORT_ELTS * threads:
-        registers = UNSTAGED_SHORT_REGISTERS
+    wide_weights = any(d is not None and dtypes.itemsize(d) > itemsize for d in weights)
+    if hidden_size < UNSTAGED_MIN_N:
+        shape = None if two_rows else _short_row_shape(hidden_size, itemsize, elts_per_ldg, rest.get("row_axes", 1))
+        if shape is None:
+            return None
+        held = hidden_size // shape["lanes_per_row"] * itemsize  # bytes of x a thread
+        threads = UNSTAGED_SHORT_WARPS * THREADS_PER_WARP
+        registers = UNSTAGED_REGISTERS if held <= UNSTAGED_BYTES_PER_THREAD[False] else UNSTAGED_HELD_ROW_REGISTERS
+        shape = {**shape, "warps_m": UNSTAGED_SHORT_WARPS, "warps_n": 1}
     else:
-        registers = UNSTAGED_REGISTERS
+        if elts_per_ldg < UNSTAGED_ELTS_PER_LDG:
+            return None
+        warps = -(-hidden_size // (UNSTAGED_BYTES_PER_THREAD[two_rows] // itemsize) // THREADS_PER_WARP)
+        if (warps > UNSTAGED_ANY_WARPS and warps & (warps - 1)) or (two_rows and warps > UNSTAGED_TWO_ROW_WARPS):
+            return None
+        threads = max(UNSTAGED_MIN_THREADS, warps * THREADS_PER_WARP)
+        if itemsize == 2 and not two_rows and hidden_size <= UNSTAGED_SHORT_ELTS * threads:
+            registers = UNSTAGED_SHORT_REGISTERS
+        else:
+            registers = UNSTAGED_REGISTERS
+        shape = {"warps_n": threads // THREADS_PER_WARP, "bytes_per_ldg": UNSTAGED_ELTS_PER_LDG * itemsize}
+    if wide_weights:
+        registers = max(registers, UNSTAGED_WIDE_WEIGHT_REGISTERS)
     try:
         t = Traits(hidden_size=hidden_size, input_dtype=input_dtype, aligned_rows=True, **rest,
-                   **{**KNOB_DEFAULTS, "warps_n": threads // THREADS_PER_WARP,
-                      "bytes_per_ldg": UNSTAGED_ELTS_PER_LDG * itemsize, "stages": 1, "persistent": False,
-                      "cache_weights": False, "min_ctas_per_sm": ctas_for_registers(threads, registers)})
+                   **{**KNOB_DEFAULTS, **shape, "stages": 1, "persistent": False, "cache_weights": False,
+                      "min_ctas_per_sm": ctas_for_registers(threads, registers)})
         t.check_arch(arch)
     except ValueError:
         return None
     return t
+
+
+def _short_row_shape(hidden_size: int, itemsize: int, elts_per_ldg: int, row_axes: int) -> dict | None:
+    """Knobs of a row shorter than UNSTAGED_MIN_N sharing a warp: the fewest lanes (LANES_PER_ROW) that
+    hold it at UNSTAGED_SHORT_BYTES_PER_THREAD a thread in whole 16-byte vectors, or None."""
+    per_thread = UNSTAGED_SHORT_BYTES_PER_THREAD[1 if row_axes == 1 else 3] // itemsize
+    vector = dtypes.vector_elements(itemsize)
+    if elts_per_ldg < vector:
+        return None
+    for lanes in LANES_PER_ROW:
+        if lanes * per_thread >= hidden_size and hidden_size % (lanes * vector) == 0:
+            return {"lanes_per_row": lanes, "bytes_per_ldg": vector * itemsize}
+    return None
 
 
 def heuristic(*, hidden_size: int, input_dtype: str, elts_per_ldg: int | None = None, aligned_rows: bool = True,

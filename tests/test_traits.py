@@ -1,10 +1,11 @@
 """Tier A: Traits mirror the kernels' rules; every dispatch entry is legal."""
 import math
+import itertools
 
 import pytest
 
 from cunorm import Traits, check, dispatch, dtypes
-from cunorm.traits import KNOBS
+from cunorm.traits import KNOBS, LANES_PER_ROW
 
 
 def test_derived_quantities_match_the_kernel_formulas():
@@ -283,11 +284,15 @@ def test_several_rows_a_warp():
 @pytest.mark.parametrize("backward", [False, True])
 def test_heuristic_shares_warps_between_short_rows(backward):
     """Rows shorter than a warp's loads (q/k heads of 64-256) share a warp; rows of 1024 and more, general rows
-    and the tuned sizes keep whole warps; a CTA keeps at least 128 threads."""
+    and the tuned sizes keep whole warps; a staged CTA keeps at least 128 threads (the unstaged forward's
+    shapes: test_heuristic_runs_short_rows_unstaged_sharing_warps)."""
     for n in (64, 128, 256):
         t = dispatch.heuristic(hidden_size=n, input_dtype="bfloat16", backward=backward, rms=True, row_axes=3,
-                               per_head=True, has_bias=False)
+                               per_head=True, has_bias=False, unstaged=False)
         assert t.lanes_per_row < 32 and t.threads_per_cta >= 128 and t.elts_per_ldg * t.lanes_per_row <= n * 4
+        if not backward:
+            assert dispatch.heuristic(hidden_size=n, input_dtype="bfloat16", rms=True, row_axes=3, per_head=True,
+                                      has_bias=False).lanes_per_row < 32
     for n in (1024, 4096):
         assert dispatch.heuristic(hidden_size=n, input_dtype="bfloat16", backward=backward).lanes_per_row == 32
     assert dispatch.heuristic(hidden_size=100, input_dtype="bfloat16", aligned_rows=False,
@@ -370,11 +375,40 @@ def test_heuristic_runs_plain_forwards_unstaged(dtype):
     assert res.min_ctas_per_sm == 65536 // (res.threads_per_cta * 64)
     wide_rows = dict(hidden_size=16384 if itemsize == 2 else 8192, has_residual=True, residual_dtype=dtype)
     assert dispatch.heuristic(**{**plain, **wide_rows}).persistent  # 32 warps a row with a residual: not served
+    # fp8 outputs take the same shape.
+    fp8 = dispatch.heuristic(**plain, has_residual=True, residual_dtype=dtype, output_dtype="float8_e4m3fn",
+                             quant="row")
+    assert not fp8.persistent and fp8.knobs() == res.knobs()
     for other in (dict(backward=True), dict(dropout=True),
                   dict(x1_dtype=dtype), dict(weight1_dtype=dtype), dict(aligned_rows=False),
-                  dict(output_dtype="float8_e4m3fn", quant="row"), dict(hidden_size=512), dict(hidden_size=32768),
+                  dict(hidden_size=512, has_residual=True, residual_dtype=dtype), dict(hidden_size=32768),
                   dict(elts_per_ldg=2)):
         assert dispatch.heuristic(**{**plain, **other}).persistent, other
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_heuristic_runs_short_rows_unstaged_sharing_warps(dtype):
+    """Rows under 768 elements without a residual: the fewest lanes holding 128 bytes of x a thread (32 on
+    three-axis rows), 16-byte loads, two warps a CTA, 64 registers (128 past 64 bytes a thread)."""
+    itemsize = dtypes.itemsize(dtype)
+    vector = 16 // itemsize
+    for n, axes in itertools.product((32, 64, 96, 128, 256, 384, 512, 640), (1, 3)):
+        t = dispatch.heuristic(hidden_size=n, input_dtype=dtype, row_axes=axes)
+        per_thread = (128 if axes == 1 else 32) // itemsize
+        lanes = [k for k in LANES_PER_ROW if k * per_thread >= n and n % (k * vector) == 0]
+        assert t.persistent == (not lanes), (n, axes)
+        if lanes:
+            held = n // lanes[0] * itemsize
+            assert (t.lanes_per_row, t.warps_m, t.warps_n, t.elts_per_ldg, t.stages) == (lanes[0], 2, 1, vector, 1)
+            assert t.min_ctas_per_sm == 65536 // (64 * (64 if held <= 64 else 128)) and not t.cache_weights
+    # q/k heads of 128 bf16: 8 lanes of 16 elements; rows of a matrix: 4 lanes of 32.
+    if dtype == "bfloat16":
+        assert dispatch.heuristic(hidden_size=128, input_dtype=dtype, row_axes=3).lanes_per_row == 8
+        assert dispatch.heuristic(hidden_size=128, input_dtype=dtype).lanes_per_row == 4
+    # A residual, a ragged width (200: no lane count divides it in whole vectors) or narrow loads: staged.
+    for other in (dict(has_residual=True, residual_dtype=dtype), dict(hidden_size=200),
+                  dict(elts_per_ldg=vector // 2)):
+        assert dispatch.heuristic(**{"hidden_size": 256, "input_dtype": dtype, **other}).persistent, other
 
 
 def test_a_spilling_unstaged_pick_falls_back_to_the_staged_heuristic():

@@ -253,7 +253,8 @@ def unstaged_forward(*, hidden_size: int, input_dtype: str, elts_per_ldg: int, a
         if (warps > UNSTAGED_ANY_WARPS and warps & (warps - 1)) or (two_rows and warps > UNSTAGED_TWO_ROW_WARPS):
             return None
         threads = max(UNSTAGED_MIN_THREADS, warps * THREADS_PER_WARP)
-        if itemsize == 2 and not two_rows and hidden_size <= UNSTAGED_SHORT_ELTS * threads:
+        quant = rest.get("quant", "none") != "none"  # fp8 scaling's extra reductions spilled under 48
+        if itemsize == 2 and not two_rows and not quant and hidden_size <= UNSTAGED_SHORT_ELTS * threads:
             registers = UNSTAGED_SHORT_REGISTERS
         else:
             registers = UNSTAGED_REGISTERS

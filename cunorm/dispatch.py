@@ -197,7 +197,7 @@ UNSTAGED_ELTS_PER_LDG = 4  # 8-byte loads of 2-byte x, 16-byte ones of fp32 (bf1
 # elements. With a residual (PERFORMANCE.md version 38): H100 0.91-0.94 of copy -> 0.97-0.99, H200
 # 0.87-0.91 -> 0.95-0.98; but rows of 32 warps (1024-thread CTAs, one an SM) lost on the H200 (LayerNorm bf16
 # 16384 and fp32 8192: -0.04): with a residual, at most UNSTAGED_TWO_ROW_WARPS warps a row. The same shape
-# serves fp8 outputs (RMSNorm + residual at 4096 with row scales: 0.906 / 0.891 -> 0.979 / 0.970 of copy on an
+# serves fp8 outputs (RMSNorm + residual at 4096 with row scales: 0.902 / 0.890 -> 0.980 / 0.974 of copy on an
 # H100 / H200, version 39).
 UNSTAGED_BYTES_PER_THREAD = {False: 64, True: 32}
 UNSTAGED_TWO_ROW_WARPS = 16
@@ -205,8 +205,8 @@ UNSTAGED_MIN_THREADS = 64
 # Rows shorter than UNSTAGED_MIN_N without a residual share a warp (lanes_per_row < 32; 16-byte loads, two
 # warps a CTA), as few lanes a row as hold these bytes of x a thread, by row axes: rows of a matrix, or
 # three-axis rows (q/k heads of a fused QKV buffer, whose strided layout favoured fewer bytes a thread).
-# Version 39, bf16: 2-D rows of 128-512 0.86-0.90 / 0.81-0.87 of copy -> 0.94-0.96 / 0.92-0.93 on an H100 /
-# H200; q of a fused [16384, 3, 32, 128] buffer 0.874 / 0.834 -> 0.92 / 0.875, where a copy kernel of that
+# Version 39, bf16: 2-D rows of 128-512 0.86-0.90 / 0.81-0.87 of copy -> 0.945-0.955 / 0.92-0.94 on an H100 /
+# H200; q of a fused [16384, 3, 32, 128] buffer 0.869 / 0.839 -> 0.915 / 0.891, where a copy kernel of that
 # view in place reads 0.92 / 0.90.
 # 2-D rows of 256 bf16 read 0.929-0.934 / 0.954-0.956 of copy (H200 / H100) with 128 bytes a thread (4 lanes)
 # where 64 bytes (8 lanes) read 0.900-0.923 / 0.934-0.949; a thread holding more than 64 bytes takes up to

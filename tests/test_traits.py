@@ -1,6 +1,6 @@
 """Tier A: Traits mirror the kernels' rules; every dispatch entry is legal."""
-import math
 import itertools
+import math
 
 import pytest
 

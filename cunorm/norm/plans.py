@@ -32,7 +32,7 @@ class Family:
         return dispatch.from_knobs(knobs, **call)
 
     @staticmethod
-    def untuned(arch: int, **call) -> Traits:
+    def fallback(arch: int, **call) -> Traits:
         """What runs a call whose pick spills on its dtype mix (dispatch.fallback)."""
         return dispatch.fallback(arch, **call)
 

@@ -147,21 +147,27 @@ def candidates(hidden_size: int, dtype: str, backward: bool, arch: int = 90, rms
         # aligned one, whose knobs dispatch would not take for them.
         if t is not None and not (job.key.general and t.aligned_rows):
             out.append(t)
-            if not backward and ctas == 1:  # the forward's shapes also unstaged, under a 64-register cap
-                out += _unstaged(t, (64,), arch)
+            if not backward and ctas == 1:  # the forward's shapes also unstaged (screening caps, weights held or not)
+                out += _unstaged(t, UNSTAGED_SCREEN_CAPS, arch, caches=(False, True))
     return out
 
 
 UNSTAGED_CAPS = (48, 64, 80, 128)  # registers a thread, an unstaged forward's refinements
+# An unstaged shape is screened at two caps, with weights held in registers and re-read: a row of 40-64
+# elements a thread spills under 64 registers, or with its weights held (and is dropped there), but not under
+# 96 (2-3 CTAs an SM) or re-reading them, where it can rank among the KEEP refined (H100: LayerNorm 12800 and
+# 15360 were missed without).
+UNSTAGED_SCREEN_CAPS = (64, 96)
 
 
-def _unstaged(shape: Traits, caps, arch: int) -> list:
+def _unstaged(shape: Traits, caps, arch: int, caches=None) -> list:
     """A forward shape without a persistent grid (a CTA a row group, rows straight into registers), its
-    registers capped at each of `caps` (fewer registers: more CTAs an SM to overlap the rows' latencies)."""
+    registers capped at each of `caps` (fewer registers: more CTAs an SM to overlap the rows' latencies),
+    its weights held in registers or re-read as each of `caches` says (default: as the shape's)."""
     out = []
-    for cap in caps:
+    for cap, cache in itertools.product(caps, caches or (shape.cache_weights,)):
         try:
-            t = shape.replace(persistent=False, stages=1,
+            t = shape.replace(persistent=False, stages=1, cache_weights=cache,
                               min_ctas_per_sm=ctas_for_registers(shape.threads_per_cta, cap))
             t.check_arch(arch)
         except ValueError:
@@ -182,7 +188,7 @@ def refinements(shape: Traits, arch: int = 90) -> list:
     """Phase 1, on a fast shape: the extras (stages, register cap, weight caching, shared-memory sums); an
     unstaged forward's: its register caps, with weights held or re-read."""
     if not shape.persistent:
-        return [t for cache in (False, True) for t in _unstaged(shape.replace(cache_weights=cache), UNSTAGED_CAPS, arch)]
+        return _unstaged(shape, UNSTAGED_CAPS, arch, caches=(False, True))
     out = []
     for values in _extras(shape.backward):
         try:

@@ -18,7 +18,8 @@ import math
 
 from . import dtypes
 from .traits import (CLUSTER_MIN_ARCH, DEFAULT_SMEM_LIMIT, KNOB_DEFAULTS, KNOBS, LANES_PER_ROW,
-                     PREFERRED_ELTS_PER_THREAD, SMEM_LIMIT, THREADS_PER_WARP, Traits, ctas_for_registers)
+                     PREFERRED_ELTS_PER_THREAD, REGISTERS_PER_SM, SMEM_LIMIT, THREADS_PER_WARP, Traits,
+                     ctas_for_registers)
 from .tuned import TUNED, TUNED_ARCH, TUNED_GENERAL  # the measured tables, a literal of their own
 
 # Hidden sizes with tuned entries (both directions, every input dtype).
@@ -201,6 +202,12 @@ UNSTAGED_ELTS_PER_LDG = 4  # 8-byte loads of 2-byte x, 16-byte ones of fp32 (bf1
 # H100 / H200, version 39).
 UNSTAGED_BYTES_PER_THREAD = {False: 64, True: 32}
 UNSTAGED_TWO_ROW_WARPS = 16
+# 2-byte rows the 64-byte rule leaves at 11-15 or 17-31 warps (12288-15360): UNSTAGED_WIDE_ROW_WARPS warps a
+# row and UNSTAGED_WIDE_ROW_CTAS CTAs an SM (80 registers), up to UNSTAGED_WIDE_ROW_ELTS elements a thread
+# (60 spilled for LayerNorm). Forced shapes (run file 2026-11-26-unstaged-short-rows-fp8.txt section 9), H100 /
+# H200: LayerNorm 12288 0.951 / 0.912, 14336 0.942 / 0.900; RMSNorm 0.958-0.962 / 0.920-0.929, where the
+# tuned picks read 0.861-0.885 / 0.860-0.901; two CTAs an SM lost on the H200.
+UNSTAGED_WIDE_ROW_WARPS, UNSTAGED_WIDE_ROW_CTAS, UNSTAGED_WIDE_ROW_ELTS = 8, 3, 56
 UNSTAGED_MIN_THREADS = 64
 # Rows shorter than UNSTAGED_MIN_N without a residual share a warp (lanes_per_row < 32; 16-byte loads, two
 # warps a CTA), as few lanes a row as hold these bytes of x a thread, by row axes: rows of a matrix, or
@@ -250,14 +257,21 @@ def unstaged_forward(*, hidden_size: int, input_dtype: str, elts_per_ldg: int, a
         if elts_per_ldg < UNSTAGED_ELTS_PER_LDG:
             return None
         warps = -(-hidden_size // (UNSTAGED_BYTES_PER_THREAD[two_rows] // itemsize) // THREADS_PER_WARP)
-        if (warps > UNSTAGED_ANY_WARPS and warps & (warps - 1)) or (two_rows and warps > UNSTAGED_TWO_ROW_WARPS):
+        if two_rows and warps > UNSTAGED_TWO_ROW_WARPS:
             return None
-        threads = max(UNSTAGED_MIN_THREADS, warps * THREADS_PER_WARP)
         quant = rest.get("quant", "none") != "none"  # fp8 scaling's extra reductions spilled under 48
-        if itemsize == 2 and not two_rows and not quant and hidden_size <= UNSTAGED_SHORT_ELTS * threads:
-            registers = UNSTAGED_SHORT_REGISTERS
+        if warps > UNSTAGED_ANY_WARPS and warps & (warps - 1):
+            wide = UNSTAGED_WIDE_ROW_WARPS * THREADS_PER_WARP
+            if (two_rows or itemsize != 2 or hidden_size % (wide * UNSTAGED_ELTS_PER_LDG)
+                    or hidden_size // wide > UNSTAGED_WIDE_ROW_ELTS):
+                return None
+            threads, registers = wide, REGISTERS_PER_SM // (UNSTAGED_WIDE_ROW_CTAS * wide)
         else:
-            registers = UNSTAGED_REGISTERS
+            threads = max(UNSTAGED_MIN_THREADS, warps * THREADS_PER_WARP)
+            if itemsize == 2 and not two_rows and not quant and hidden_size <= UNSTAGED_SHORT_ELTS * threads:
+                registers = UNSTAGED_SHORT_REGISTERS
+            else:
+                registers = UNSTAGED_REGISTERS
         shape = {"warps_n": threads // THREADS_PER_WARP, "bytes_per_ldg": UNSTAGED_ELTS_PER_LDG * itemsize}
     if wide_weights:
         registers = max(registers, UNSTAGED_WIDE_WEIGHT_REGISTERS)

@@ -353,13 +353,17 @@ def test_heuristic_runs_plain_forwards_unstaged(dtype):
     x a thread (32 with a residual), registers capped for 32 warps an SM (48 registers for short 2-byte rows, 80 with weights
     wider than x); everything else keeps the persistent grid."""
     itemsize = dtypes.itemsize(dtype)
-    for n in (768, 1024, 2048, 3072, 4096, 8192, 10240, 12288, 16384):
+    for n in (768, 1024, 2048, 3072, 4096, 8192, 10240, 12288, 12800, 14336, 15360, 16384):
         warps = -(-n * itemsize // 64 // 32)
         served = warps <= 10 or warps & (warps - 1) == 0
+        # Other 2-byte rows: 8 warps, 3 CTAs an SM, where whole 4-element vectors give at most 56 a thread.
+        wide = not served and itemsize == 2 and n % 1024 == 0 and n // 256 <= 56
         for rms in (False, True):
             t = dispatch.heuristic(hidden_size=n, input_dtype=dtype, rms=rms, has_bias=not rms)
-            assert t.persistent != served, (n, rms)
-            if served:
+            assert t.persistent != (served or wide), (n, rms)
+            if wide:
+                assert (t.threads_per_cta, t.min_ctas_per_sm, t.elts_per_ldg, t.stages) == (256, 3, 4, 1)
+            elif served:
                 threads = max(64, 32 * warps)
                 regs = 48 if itemsize == 2 and n <= 16 * threads else 64
                 assert (t.warps_m, t.threads_per_cta, t.stages, t.elts_per_ldg, t.ctas_per_row) == (1, threads, 1, 4, 1)

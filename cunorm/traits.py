@@ -195,6 +195,10 @@ class Traits:
         for k in KNOBS:
             if getattr(self, k) is None:
                 object.__setattr__(self, k, KNOB_DEFAULTS[k])
+            elif isinstance(KNOB_DEFAULTS[k], bool) and getattr(self, k) in (0, 1):
+                # The literal table's 0/1 flags as bools: knobs() is what tables save, and a table reads
+                # flags as true or false only.
+                object.__setattr__(self, k, bool(getattr(self, k)))
         self._check()
 
     # -- derived, as in norm_traits.cuh ------------------------------------

@@ -106,6 +106,16 @@ def test_an_unusable_user_table_is_ignored_with_one_warning(spoil):
         assert dispatch.choose(arch=90, gpu=H200, **CALL)[1] == "tuned"
 
 
+def test_a_literal_pick_saved_as_an_entry_reads_back():
+    """The sm_90 literal writes its flags as 0 and 1; a tuner run whose winner is the literal's pick saves that
+    pick's knobs(), and a table reads flags as true or false only (such a user table was ignored)."""
+    t, origin = dispatch.choose(arch=90, backward=True, **{**CALL, "hidden_size": 32768})
+    assert origin == dispatch.TUNED_LITERAL
+    assert all(type(t.knobs()[k]) is bool for k, v in tables.KNOB_DEFAULTS.items() if type(v) is bool)
+    saved = _save({Key(True, False, False, 32768, 2): t.knobs()})
+    assert tables.read(tables.user_path(H200), H200, "x").entries == saved.entries
+
+
 def test_a_table_round_trips_and_refuses_unknown_knobs():
     t = _save({Key(True, True, False, 8192, 4, True): KNOBS})
     back = tables.read(tables.user_path(H200), H200, "x")

@@ -147,7 +147,7 @@ def candidates(hidden_size: int, dtype: str, backward: bool, arch: int = 90, rms
         # aligned one, whose knobs dispatch would not take for them.
         if t is not None and not (job.key.general and t.aligned_rows):
             out.append(t)
-            if not backward and ctas == 1:  # the forward's shapes also unstaged (screening caps, weights held or not)
+            if not backward:  # the forward's shapes also unstaged (screening caps, weights held or not)
                 out += _unstaged(t, UNSTAGED_SCREEN_CAPS, arch, caches=(False, True))
     return out
 

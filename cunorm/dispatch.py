@@ -102,8 +102,11 @@ def choose(*, arch: int = CLUSTER_MIN_ARCH, tuned: bool = True, gpu=None, unstag
     (a table's `origin`, "tuned" for the literal in tuned.py) or "heuristic".
     `gpu` (cunorm.tables.GPU) adds that model's tables. A call without aligned
     rows (odd N, offset views, odd row strides) takes the knobs of its aligned
-    neighbour (N rounded down to whole 16-byte vectors): its general-rows
-    entry, else its aligned entry, when legal for the call. tuned=False: the
+    neighbour (N rounded down to whole 16-byte vectors): a general-rows entry
+    from any source, else an aligned entry, when legal for the call (an
+    aligned row's knobs can be far off on the general kernel: H100 tables'
+    65536 entries read 0.44-0.68 of copy at 65537, the literal's general
+    ones 0.69-0.78). tuned=False: the
     heuristic only; unstaged=False: without the heuristic's unstaged forward.
     Measured knobs or an unstaged forward that compile with spills for the
     call's dtype mix are replaced by `fallback`'s pick where they are compiled
@@ -117,14 +120,14 @@ def choose(*, arch: int = CLUSTER_MIN_ARCH, tuned: bool = True, gpu=None, unstag
 
         neighbour, nbytes = tuned_neighbour(n, input_dtype), dtypes.itemsize(input_dtype)
         rms, residual = fields.get("rms", False), fields.get("has_residual", False)
-        for table in tables_for(gpu):
-            for general in generals:
+        # General rows: a general-rows entry of any source (measured on such rows) before an aligned one.
+        for general in generals:
+            for table in tables_for(gpu):
                 knobs = table.knobs(Key(backward, rms, residual, neighbour, nbytes, general))
                 t = None if knobs is None else _fit(knobs, call, general, aligned, arch)
                 if t is not None:
                     return t, table.origin
-        if arch == TUNED_ARCH and not residual:
-            for general in generals:
+            if arch == TUNED_ARCH and not residual:
                 knobs = tuned_knobs(backward, neighbour, input_dtype, general)
                 t = None if knobs is None else _fit(dict(zip(KNOBS, knobs)), call, general, aligned, arch)
                 if t is not None:
@@ -153,6 +156,10 @@ def _fit(knobs: dict, call: dict, general: bool, aligned: bool, arch: int) -> Tr
         t = from_knobs(knobs, **call)
         if t.aligned_rows != aligned:
             raise ValueError("the layout needs narrower loads than the tuned entry")
+        if not t.persistent and not general and not aligned:
+            # H100: an aligned entry's unstaged grid on the general kernel read 0.36-0.81 of copy at 12289 and
+            # 32769, where the staged picks beside it read 0.63-0.85.
+            raise ValueError("an unstaged entry measured on aligned rows")
         if not general and not t.aligned_rows and t.threads_per_cta > 256:
             t = t.replace(cache_weights=False)  # shifted rows take an extra vector and masks: registers
         if t.parallel:  # a second weight (and bias) held beside the first would spill: both re-read instead

@@ -74,9 +74,23 @@ def test_keys_separate_rmsnorm_residual_direction_and_width():
 
 
 def test_general_rows_take_their_aligned_neighbours_entry():
-    _save({Key(True, False, False, 4096, 2): {**KNOBS, "bytes_per_ldg": 16}})
-    t, origin = dispatch.choose(arch=90, gpu=H200, backward=True, **{**CALL, "hidden_size": 4097})
+    _save({Key(True, False, False, 2048, 2): {**KNOBS, "bytes_per_ldg": 16}})
+    t, origin = dispatch.choose(arch=90, gpu=H200, backward=True, **{**CALL, "hidden_size": 2049})
     assert origin.startswith("user table") and not t.aligned_rows
+
+
+def test_general_rows_prefer_a_general_entry_of_any_source_to_an_aligned_one():
+    """At 4097 the literal's general-rows entry (measured at 4097) wins over a table's aligned 4096 entry; a
+    table's own general entry wins over both."""
+    assert (True, 4096, 2) in dispatch.TUNED_GENERAL
+    _save({Key(True, False, False, 4096, 2): {**KNOBS, "bytes_per_ldg": 16}})
+    general = {**CALL, "hidden_size": 4097}
+    assert dispatch.choose(arch=90, gpu=H200, backward=True, **general)[1] == dispatch.TUNED_LITERAL
+    assert dispatch.choose(arch=90, gpu=H200, backward=True, **CALL)[1].startswith("user table")
+    tables.forget()
+    _save({Key(True, False, False, 4096, 2, True): {**KNOBS, "bytes_per_ldg": 8}})
+    t, origin = dispatch.choose(arch=90, gpu=H200, backward=True, **general)
+    assert origin.startswith("user table") and t.bytes_per_ldg == 8 and not t.aligned_rows
 
 
 def test_an_entry_illegal_for_the_call_falls_through():
@@ -104,6 +118,13 @@ def test_an_unusable_user_table_is_ignored_with_one_warning(spoil):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # once per file and process
         assert dispatch.choose(arch=90, gpu=H200, **CALL)[1] == "tuned"
+
+
+def test_an_unstaged_aligned_entry_does_not_serve_general_rows():
+    _save({Key(False, False, False, 8192, 2): {**KNOBS, "warps_n": 8, "persistent": False, "stages": 1}})
+    assert dispatch.choose(arch=90, gpu=H200, **{**CALL, "hidden_size": 8192})[1].startswith("user table")
+    t, origin = dispatch.choose(arch=90, gpu=H200, **{**CALL, "hidden_size": 8193})
+    assert not origin.startswith("user table") and t.persistent
 
 
 def test_a_literal_pick_saved_as_an_entry_reads_back():

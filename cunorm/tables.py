@@ -91,6 +91,17 @@ class Table:
     def put(self, key: Key, knobs: dict, **measured):
         self.entries[key] = {"knobs": dict(knobs), **measured}
 
+    def merge(self, measured: "Table", kept) -> None:
+        """A run's results into this table: each key `measured` holds takes its entry where `kept` (keys
+        whose entry beat dispatch without tables) has it, and leaves this table where not; the rest stay.
+        The versions become the run's (its kernels are the ones measured)."""
+        for key, entry in measured.entries.items():
+            if key in kept:
+                self.entries[key] = entry
+            else:
+                self.entries.pop(key, None)
+        self.cunorm, self.cuda = measured.cunorm, measured.cuda
+
     def to_json(self) -> str:
         entries = [{**dataclasses.asdict(k), **v} for k, v in sorted(self.entries.items(), key=lambda kv: (
             kv[0].backward, kv[0].rms, kv[0].residual, kv[0].input_bytes, kv[0].general, kv[0].n))]

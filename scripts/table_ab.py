@@ -4,8 +4,12 @@ two kernels timed in the same interleaved rounds (CUDA events around a queue
 of launches, as `cunorm tune` times them), as fractions of one copy's
 bandwidth. `--keep OUT` writes the table with only the entries whose median
 beats the alternative's: a shipped table holds what was measured better.
+`--merge-into SHIPPED` updates an existing table instead: each key measured
+here takes its kept entry, or leaves SHIPPED where it was not kept; SHIPPED's
+other entries stay.
 
     python scripts/table_ab.py gpu-results/table.json --keep cunorm/shipped_tables/tuned-<slug>.json
+    python scripts/table_ab.py gpu-results/table.json --merge-into cunorm/shipped_tables/tuned-<slug>.json
 """
 import argparse
 import json
@@ -24,6 +28,7 @@ def main(argv=None) -> int:
     p.add_argument("table", help="a table written by cunorm tune on this GPU model")
     p.add_argument("--rounds", type=int, default=tune.ROUNDS + 2)
     p.add_argument("--keep", help="write the entries that beat the alternative here")
+    p.add_argument("--merge-into", help="update this table: measured keys take their kept entry or leave it")
     p.add_argument("--json", help="write every key's numbers here")
     a = p.parse_args(argv)
     device_id, arch, gpu = tune.current_gpu()
@@ -59,6 +64,13 @@ def main(argv=None) -> int:
         print(f"{row['key']:28s}{nums}  {row['verdict']}", flush=True)
     print(f"{len(kept)} of {len(table.entries)} entries kept (a better median than, or the same knobs as, "
           f"sm_{arch} dispatch without the table)")
+    if a.merge_into:
+        target = tables.Table.from_json(Path(a.merge_into).read_text(), "merged table")
+        if target.gpu != gpu:
+            print(f"{a.merge_into} is for {target.gpu}, this GPU is {gpu}", file=sys.stderr)
+            return 2
+        target.merge(table, kept)
+        Path(a.merge_into).write_text(target.to_json())
     if a.keep:
         table.entries = kept
         Path(a.keep).write_text(table.to_json())

@@ -137,6 +137,15 @@ def test_a_literal_pick_saved_as_an_entry_reads_back():
     assert tables.read(tables.user_path(H200), H200, "x").entries == saved.entries
 
 
+def test_a_run_merges_into_a_table_key_by_key():
+    a, b, c = (Key(True, False, False, n, 2) for n in (1024, 2048, 4096))
+    target = Table(H200, "0.0.9", 12000, {a: {"knobs": KNOBS}, b: {"knobs": KNOBS}})
+    run = Table(H200, cunorm.__version__, 13020, {b: {"knobs": {**KNOBS, "warps_n": 4}}, c: {"knobs": KNOBS}})
+    target.merge(run, kept={c})  # b measured, not kept: dispatch without it was as fast
+    assert target.entries == {a: {"knobs": KNOBS}, c: {"knobs": KNOBS}}
+    assert (target.cunorm, target.cuda) == (cunorm.__version__, 13020)
+
+
 def test_a_table_round_trips_and_refuses_unknown_knobs():
     t = _save({Key(True, True, False, 8192, 4, True): KNOBS})
     back = tables.read(tables.user_path(H200), H200, "x")

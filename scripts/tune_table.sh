@@ -2,7 +2,7 @@
 # Tunes every size of the dispatch table on this GPU, LayerNorm and RMSNorm, forward and backward, with and
 # without a residual, 2- and 4-byte inputs, and writes the table to $OUT/table.json. To use it on this
 # machine, copy it to the user table (`cunorm list` names it); to ship it for this GPU model, copy it to
-# cunorm/shipped_tables/tuned-<GPU slug>.json (the name `cunorm list` shows in its first line) through
+# cunorm/shipped_tables/tuned-<GPU slug>.json (the name `cunorm list` shows in its first line), write it with
 # `python scripts/table_ab.py $OUT/table.json --keep ...` (a new table) or `--merge-into ...` (an existing one),
 # which keep only the entries measured faster than dispatch without them.
 # Resumable: run it again after an interruption; BUDGET=SECONDS stops it cleanly.

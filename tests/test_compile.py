@@ -4,7 +4,7 @@ for rows no smaller CTA holds). Needs NVRTC, not a GPU."""
 import pytest
 
 import cunorm
-from cunorm import Traits, compile_only, dispatch
+from cunorm import Traits, compile_only, dispatch, tables
 from cunorm.compiler import parse_ptxas_log
 
 pytestmark = pytest.mark.nvrtc
@@ -34,6 +34,23 @@ def test_cunorm_check_compile_only_passes(arch):
     for v in out["variants"]:
         if "functions" in v:
             assert {f["name"] for f in v["functions"]} == set(v["kernels"]), v["label"]
+
+
+@pytest.mark.parametrize("path", sorted(tables.SHIPPED_DIR.glob("*.json")), ids=lambda p: p.name)
+def test_every_shipped_entry_compiles_clean_for_the_call_it_was_measured_on(path):
+    """A shipped table's entries are picked only on their GPU model, which `cunorm check --compile-only`
+    (no GPU) does not name; an entry that spilled for its own call would never run (dispatch replaces a
+    spilling pick), so each compiles without local memory for its GPU's architecture."""
+    from cunorm import tune
+
+    table = tables.Table.from_json(path.read_text(), "shipped")
+    bad = []
+    for key, entry in table.entries.items():
+        job = tune.Job.of(entry["measured_n"], entry["dtype"], key.backward, key.rms, key.residual)
+        t = dispatch.from_knobs(entry["knobs"], **job.call_fields())
+        if not compile_only(t, table.gpu.cc).clean:
+            bad.append(t.short())
+    assert table.entries and not bad, "\n".join(bad)
 
 
 def test_heuristic_sample_compiles():

@@ -2,6 +2,7 @@
 their own time (and advance a stand-in clock), whose compiles report local
 memory for planted knobs and whose float64 check fails for planted knobs;
 the real code paths run around them. Tier C (marked gpu) runs a small tune."""
+import itertools
 import json
 import math
 from types import SimpleNamespace
@@ -12,6 +13,7 @@ from click.testing import CliRunner
 
 from cunorm import bench, check, cli, compiler, dispatch, tables, tune
 from cunorm.compiler import CompileError, Kernel
+from cunorm.traits import ctas_for_registers
 
 TUNE_OPTIONS = ("--sizes", "--ops", "--residual", "--dtypes", "--budget", "--rounds", "--output", "--fresh",
                 "--warps-n", "--json")
@@ -169,6 +171,23 @@ def test_candidates_are_the_kernels_dispatch_would_run_for_the_key():
     before_clusters = tune.candidates(16384, "bfloat16", False, arch=80)
     assert before_clusters and not any(t.ctas_per_row > 1 for t in before_clusters)
 
+
+
+def test_forward_candidates_include_each_shape_unstaged_at_both_screening_caps():
+    """Every forward shape, cluster shapes included, is also screened unstaged at each of
+    UNSTAGED_SCREEN_CAPS with weights held and re-read (one cap and held weights alone dropped LayerNorm
+    rows of 40-64 elements a thread as spills); the backward has no unstaged grid."""
+    forward = tune.candidates(15360, "bfloat16", False, warps_n=(12,))
+    staged = [t for t in forward if t.persistent]
+    unstaged = {t for t in forward if not t.persistent}
+    assert staged and any(t.ctas_per_row > 1 for t in staged)
+    for shape in staged:
+        for cap, cache in itertools.product(tune.UNSTAGED_SCREEN_CAPS, (False, True)):
+            want = shape.replace(persistent=False, stages=1, cache_weights=cache,
+                                 min_ctas_per_sm=ctas_for_registers(shape.threads_per_cta, cap))
+            assert want in unstaged, want.short()
+    assert any(t.ctas_per_row > 1 for t in unstaged)
+    assert all(t.persistent for t in tune.candidates(15360, "bfloat16", True, warps_n=(12,)))
 
 # -- a run -----------------------------------------------------------------------------------------------------
 

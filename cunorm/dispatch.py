@@ -106,8 +106,8 @@ def choose(*, arch: int = CLUSTER_MIN_ARCH, tuned: bool = True, gpu=None, unstag
     from any source, else an aligned entry, when legal for the call (an
     aligned row's knobs can be far off on the general kernel: H100 tables'
     65536 entries read 0.44-0.68 of copy at 65537, the literal's general
-    ones 0.69-0.78). tuned=False: the
-    heuristic only; unstaged=False: without the heuristic's unstaged forward.
+    ones 0.69-0.78). tuned=False: the heuristic only; unstaged=False:
+    without the heuristic's unstaged forward.
     Measured knobs or an unstaged forward that compile with spills for the
     call's dtype mix are replaced by `fallback`'s pick where they are compiled
     (`plan`, `check.case_kernels`): spills are known only then."""
@@ -146,6 +146,17 @@ def fallback(arch: int, **call) -> Traits:
     return choose(arch=arch, tuned=False, unstaged=False, **call)[0]
 
 
+def _serves_unstaged(call: dict, measured_layout: bool) -> bool:
+    """Whether a measured unstaged entry (a table key's plain call: weights as wide as x, no fp8 scaling, no
+    per-head weights) serves `call`: rows of the layout it was measured on (an aligned entry's grid on the
+    general kernel read 0.36-0.81 of copy at 12289 and 32769 on an H100, where the staged picks beside it read
+    0.63-0.85), and not calls whose registers differ (wider weights, fp8 scaling's reductions, per-head
+    weights: such picks spilled at 13312-65536 and fell back to the heuristic) or that no unstaged grid serves."""
+    return (measured_layout and not call.get("per_head") and call.get("quant", "none") in ("none", None)
+            and not _wide_weights(call["input_dtype"], call)
+            and not any(call.get(k) for k in UNSTAGED_EXCLUDED_FIELDS))
+
+
 def _fit(knobs: dict, call: dict, general: bool, aligned: bool, arch: int) -> Traits | None:
     """Measured knobs made to fit a call, or None where they cannot: a measured shape may not suit every
     dtype mix, layout or GPU (registers, shared memory, clusters)."""
@@ -156,10 +167,8 @@ def _fit(knobs: dict, call: dict, general: bool, aligned: bool, arch: int) -> Tr
         t = from_knobs(knobs, **call)
         if t.aligned_rows != aligned:
             raise ValueError("the layout needs narrower loads than the tuned entry")
-        if not t.persistent and not general and not aligned:
-            # H100: an aligned entry's unstaged grid on the general kernel read 0.36-0.81 of copy at 12289 and
-            # 32769, where the staged picks beside it read 0.63-0.85.
-            raise ValueError("an unstaged entry measured on aligned rows")
+        if not t.persistent and not _serves_unstaged(call, general or aligned):
+            raise ValueError("an unstaged entry measured on another kind of call")
         if not general and not t.aligned_rows and t.threads_per_cta > 256:
             t = t.replace(cache_weights=False)  # shifted rows take an extra vector and masks: registers
         if t.parallel:  # a second weight (and bias) held beside the first would spill: both re-read instead
@@ -209,12 +218,13 @@ UNSTAGED_ELTS_PER_LDG = 4  # 8-byte loads of 2-byte x, 16-byte ones of fp32 (bf1
 # H100 / H200, version 39).
 UNSTAGED_BYTES_PER_THREAD = {False: 64, True: 32}
 UNSTAGED_TWO_ROW_WARPS = 16
-# 2-byte rows the 64-byte rule leaves at 11-15 or 17-31 warps (12288-15360): UNSTAGED_WIDE_ROW_WARPS warps a
-# row and UNSTAGED_WIDE_ROW_CTAS CTAs an SM (80 registers), up to UNSTAGED_WIDE_ROW_ELTS elements a thread
-# (60 spilled for LayerNorm). Forced shapes (run file 2026-11-26-unstaged-short-rows-fp8.txt section 9), H100 /
-# H200: LayerNorm 12288 0.951 / 0.912, 14336 0.942 / 0.900; RMSNorm 0.958-0.962 / 0.920-0.929, where the
-# tuned picks read 0.861-0.885 / 0.860-0.901; two CTAs an SM lost on the H200.
-UNSTAGED_WIDE_ROW_WARPS, UNSTAGED_WIDE_ROW_CTAS, UNSTAGED_WIDE_ROW_ELTS = 8, 3, 56
+# 2-byte rows the 64-byte rule leaves at 11-15 warps (11264-15360) take UNSTAGED_WIDE_ROW_WARPS warps a row
+# and UNSTAGED_WIDE_ROW_CTAS CTAs an SM (85 registers) where that holds them in whole vectors of up to
+# UNSTAGED_WIDE_ROW_ELTS elements a thread (11264-14336; LayerNorm 15360 spilled at 60), on sm_90 (sm_80
+# spilled at 14336). Forced shapes (run file 2026-11-26-unstaged-short-rows-fp8.txt section 9), H100 / H200:
+# LayerNorm 12288 0.951 / 0.912, 14336 0.942 / 0.900; RMSNorm 0.958-0.962 / 0.920-0.929, where the tuned
+# picks read 0.861-0.885 / 0.860-0.901; two CTAs an SM lost on the H200. 11264 and 13312 are not measured.
+UNSTAGED_WIDE_ROW_WARPS, UNSTAGED_WIDE_ROW_CTAS, UNSTAGED_WIDE_ROW_ELTS, UNSTAGED_WIDE_ROW_MIN_ARCH = 8, 3, 56, 90
 UNSTAGED_MIN_THREADS = 64
 # Rows shorter than UNSTAGED_MIN_N without a residual share a warp (lanes_per_row < 32; 16-byte loads, two
 # warps a CTA), as few lanes a row as hold these bytes of x a thread, by row axes: rows of a matrix, or
@@ -233,6 +243,16 @@ UNSTAGED_HELD_ROW_REGISTERS = 128
 # gamma over bf16 x) spilled 4 bytes under 64.
 UNSTAGED_REGISTERS, UNSTAGED_SHORT_REGISTERS, UNSTAGED_WIDE_WEIGHT_REGISTERS = 64, 48, 80
 UNSTAGED_SHORT_ELTS = 16
+# Calls no unstaged grid serves, measured or not: a branch (dropout, row scale) or a parallel block.
+UNSTAGED_EXCLUDED_FIELDS = ("dropout", "rowscale_dtype", "x1_dtype", "weight1_dtype")
+
+
+def _wide_weights(input_dtype: str, fields: dict) -> bool:
+    """Whether a call's weight or bias is wider than x (fp32 gamma over bf16 x): more registers."""
+    itemsize = dtypes.itemsize(input_dtype)
+    weights = ([fields.get("weight_dtype")] * fields.get("has_weight", True)
+               + [fields.get("bias_dtype")] * fields.get("has_bias", True))
+    return any(d is not None and dtypes.itemsize(d) > itemsize for d in weights)
 
 
 def unstaged_forward(*, hidden_size: int, input_dtype: str, elts_per_ldg: int, aligned_rows: bool, arch: int,
@@ -240,18 +260,15 @@ def unstaged_forward(*, hidden_size: int, input_dtype: str, elts_per_ldg: int, a
     """A forward's traits without a persistent grid (Traits.persistent), or None where the call is not one
     measured to gain: aligned rows of 2- or 4-byte x up to UNSTAGED_MAX_N elements, without a branch, x1 or
     a second output. Rows of UNSTAGED_MIN_N or more: UNSTAGED_ELTS_PER_LDG-element vectors (past
-    UNSTAGED_ANY_WARPS warps a row, a power-of-two count), with or without a residual (then up to
-    UNSTAGED_TWO_ROW_WARPS warps a row) and fp8 scaling; shorter rows without a residual share warps
-    (`_short_row_shape`)."""
-    extra = ("dropout", "rowscale_dtype", "x1_dtype", "weight1_dtype")
+    UNSTAGED_ANY_WARPS warps a row, a power-of-two count, or UNSTAGED_WIDE_ROW_WARPS warps for 2-byte rows),
+    with or without a residual (then up to UNSTAGED_TWO_ROW_WARPS warps a row) and fp8 scaling; shorter rows
+    without a residual share warps (`_short_row_shape`)."""
     itemsize = dtypes.itemsize(input_dtype)
     if (not aligned_rows or itemsize not in (2, 4) or hidden_size > UNSTAGED_MAX_N
-            or any(rest.get(k) for k in extra)):
+            or any(rest.get(k) for k in UNSTAGED_EXCLUDED_FIELDS)):
         return None
     two_rows = bool(rest.get("has_residual"))
-    weights = ([rest.get("weight_dtype")] * rest.get("has_weight", True)
-               + [rest.get("bias_dtype")] * rest.get("has_bias", True))
-    wide_weights = any(d is not None and dtypes.itemsize(d) > itemsize for d in weights)
+    wide_weights = _wide_weights(input_dtype, rest)
     if hidden_size < UNSTAGED_MIN_N:
         shape = None if two_rows else _short_row_shape(hidden_size, itemsize, elts_per_ldg, rest.get("row_axes", 1))
         if shape is None:
@@ -268,11 +285,12 @@ def unstaged_forward(*, hidden_size: int, input_dtype: str, elts_per_ldg: int, a
             return None
         quant = rest.get("quant", "none") != "none"  # fp8 scaling's extra reductions spilled under 48
         if warps > UNSTAGED_ANY_WARPS and warps & (warps - 1):
-            wide = UNSTAGED_WIDE_ROW_WARPS * THREADS_PER_WARP
-            if (two_rows or itemsize != 2 or hidden_size % (wide * UNSTAGED_ELTS_PER_LDG)
-                    or hidden_size // wide > UNSTAGED_WIDE_ROW_ELTS):
+            wide_threads = UNSTAGED_WIDE_ROW_WARPS * THREADS_PER_WARP
+            if (two_rows or itemsize != 2 or arch < UNSTAGED_WIDE_ROW_MIN_ARCH
+                    or hidden_size % (wide_threads * UNSTAGED_ELTS_PER_LDG)
+                    or hidden_size // wide_threads > UNSTAGED_WIDE_ROW_ELTS):
                 return None
-            threads, registers = wide, REGISTERS_PER_SM // (UNSTAGED_WIDE_ROW_CTAS * wide)
+            threads, registers = wide_threads, REGISTERS_PER_SM // (UNSTAGED_WIDE_ROW_CTAS * wide_threads)
         else:
             threads = max(UNSTAGED_MIN_THREADS, warps * THREADS_PER_WARP)
             if itemsize == 2 and not two_rows and not quant and hidden_size <= UNSTAGED_SHORT_ELTS * threads:

@@ -94,13 +94,17 @@ class Table:
     def merge(self, measured: "Table", kept) -> None:
         """A run's results into this table: each key `measured` holds takes its entry where `kept` (keys
         whose entry beat dispatch without tables) has it, and leaves this table where not; the rest stay.
-        The versions become the run's (its kernels are the ones measured)."""
+        A table has one cunorm version (its entries' kernels), so the run must share it; the CUDA version
+        becomes the run's."""
+        if measured.cunorm != self.cunorm:
+            raise TableError(f"cannot merge a run of cunorm {measured.cunorm} into a table of {self.cunorm}: "
+                             "its other entries were measured with other kernels (tune them again)")
         for key, entry in measured.entries.items():
             if key in kept:
                 self.entries[key] = entry
             else:
                 self.entries.pop(key, None)
-        self.cunorm, self.cuda = measured.cunorm, measured.cuda
+        self.cuda = measured.cuda
 
     def to_json(self) -> str:
         entries = [{**dataclasses.asdict(k), **v} for k, v in sorted(self.entries.items(), key=lambda kv: (

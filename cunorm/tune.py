@@ -160,12 +160,12 @@ UNSTAGED_CAPS = (48, 64, 80, 128)  # registers a thread, an unstaged forward's r
 UNSTAGED_SCREEN_CAPS = (64, 96)
 
 
-def _unstaged(shape: Traits, caps, arch: int, caches=None) -> list:
+def _unstaged(shape: Traits, caps, arch: int, caches) -> list:
     """A forward shape without a persistent grid (a CTA a row group, rows straight into registers), its
     registers capped at each of `caps` (fewer registers: more CTAs an SM to overlap the rows' latencies),
-    its weights held in registers or re-read as each of `caches` says (default: as the shape's)."""
+    its weights held in registers or re-read as each of `caches` says."""
     out = []
-    for cap, cache in itertools.product(caps, caches or (shape.cache_weights,)):
+    for cap, cache in itertools.product(caps, caches):
         try:
             t = shape.replace(persistent=False, stages=1, cache_weights=cache,
                               min_ctas_per_sm=ctas_for_registers(shape.threads_per_cta, cap))

@@ -120,11 +120,17 @@ def test_an_unusable_user_table_is_ignored_with_one_warning(spoil):
         assert dispatch.choose(arch=90, gpu=H200, **CALL)[1] == "tuned"
 
 
-def test_an_unstaged_aligned_entry_does_not_serve_general_rows():
+@pytest.mark.parametrize("other", [dict(hidden_size=8193), dict(weight_dtype="float32"),
+                                   dict(output_dtype="float8_e4m3fn", quant="row"), dict(dropout=True)],
+                         ids=["general rows", "fp32 weights", "fp8 row scaling", "dropout"])
+def test_an_unstaged_entry_serves_only_the_kind_of_call_it_was_measured_on(other):
+    """A measured unstaged grid (plain aligned rows, weights as wide as x) does not serve general rows, wider
+    weights, fp8 scaling or a branch: such picks ran slower or spilled (and then took the heuristic's)."""
     _save({Key(False, False, False, 8192, 2): {**KNOBS, "warps_n": 8, "persistent": False, "stages": 1}})
-    assert dispatch.choose(arch=90, gpu=H200, **{**CALL, "hidden_size": 8192})[1].startswith("user table")
-    t, origin = dispatch.choose(arch=90, gpu=H200, **{**CALL, "hidden_size": 8193})
-    assert not origin.startswith("user table") and t.persistent
+    plain = {**CALL, "hidden_size": 8192}
+    assert dispatch.choose(arch=90, gpu=H200, **plain)[1].startswith("user table")
+    t, origin = dispatch.choose(arch=90, gpu=H200, **{**plain, **other})
+    assert not origin.startswith("user table")
 
 
 def test_a_literal_pick_saved_as_an_entry_reads_back():
@@ -139,11 +145,12 @@ def test_a_literal_pick_saved_as_an_entry_reads_back():
 
 def test_a_run_merges_into_a_table_key_by_key():
     a, b, c = (Key(True, False, False, n, 2) for n in (1024, 2048, 4096))
-    target = Table(H200, "0.0.9", 12000, {a: {"knobs": KNOBS}, b: {"knobs": KNOBS}})
+    target = Table(H200, cunorm.__version__, 12000, {a: {"knobs": KNOBS}, b: {"knobs": KNOBS}})
     run = Table(H200, cunorm.__version__, 13020, {b: {"knobs": {**KNOBS, "warps_n": 4}}, c: {"knobs": KNOBS}})
     target.merge(run, kept={c})  # b measured, not kept: dispatch without it was as fast
-    assert target.entries == {a: {"knobs": KNOBS}, c: {"knobs": KNOBS}}
-    assert (target.cunorm, target.cuda) == (cunorm.__version__, 13020)
+    assert target.entries == {a: {"knobs": KNOBS}, c: {"knobs": KNOBS}} and target.cuda == 13020
+    with pytest.raises(tables.TableError, match="cunorm 0.0.9"):
+        target.merge(Table(H200, "0.0.9", 13020, {}), kept=set())
 
 
 def test_a_table_round_trips_and_refuses_unknown_knobs():

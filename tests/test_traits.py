@@ -349,9 +349,10 @@ def test_persistent_knob_rules():
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
 def test_heuristic_runs_plain_forwards_unstaged(dtype):
-    """Plain aligned forwards of 768-16384 (past 10 warps a row, powers of two) get a CTA per row, 64 bytes of
-    x a thread (32 with a residual), registers capped for 32 warps an SM (48 registers for short 2-byte rows, 80 with weights
-    wider than x); everything else keeps the persistent grid."""
+    """Plain aligned forwards of 768-16384 (past 10 warps a row, powers of two, or 8 warps for 2-byte rows of
+    at most 56 elements a thread on sm_90) get a CTA per row, 64 bytes of x a thread (32 with a residual),
+    registers capped for 32 warps an SM (24 for those 8-warp rows; 48 registers for short 2-byte rows, 80 with
+    weights wider than x); everything else keeps the persistent grid."""
     itemsize = dtypes.itemsize(dtype)
     for n in (768, 1024, 2048, 3072, 4096, 8192, 10240, 12288, 12800, 14336, 15360, 16384):
         warps = -(-n * itemsize // 64 // 32)
@@ -363,6 +364,8 @@ def test_heuristic_runs_plain_forwards_unstaged(dtype):
             assert t.persistent != (served or wide), (n, rms)
             if wide:
                 assert (t.threads_per_cta, t.min_ctas_per_sm, t.elts_per_ldg, t.stages) == (256, 3, 4, 1)
+                assert dispatch.heuristic(hidden_size=n, input_dtype=dtype, rms=rms, has_bias=not rms,
+                                          arch=80).persistent  # sm_80: LayerNorm 14336 spilled
             elif served:
                 threads = max(64, 32 * warps)
                 regs = 48 if itemsize == 2 and n <= 16 * threads else 64

@@ -219,6 +219,11 @@ def _usable(path: Path, gpu: GPU, origin: str) -> Table | None:
         return None
 
 
+def shipped_gpus() -> list:
+    """The GPU models cunorm ships a table for, as their tables name them."""
+    return [Table.from_json(p.read_text(), "shipped").gpu for p in sorted(SHIPPED_DIR.glob("tuned-*.json"))]
+
+
 def _shipped_table(gpu: GPU) -> Table | None:
     """The table shipped for this GPU model (same name, compute capability and SM count)."""
     return _usable(SHIPPED_DIR / f"tuned-{gpu.slug()}.json", gpu, f"shipped {gpu.name} table")

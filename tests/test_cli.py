@@ -16,7 +16,27 @@ def test_list_json_covers_the_tuned_table():
 
     assert out["arch"] == 90 and isinstance(out["tables"], list)
     assert {r["hidden_size"] for r in rows} == set(dispatch.TUNED_SIZES)
-    assert {r["op"] for r in rows} == {"fwd", "bwd"}
+    assert {r["op"] for r in rows} == {"fwd", "bwd", "rms", "rms-bwd"}
+
+
+def test_list_for_a_shipped_gpu_model_without_that_gpu():
+    """`--gpu` names a shipped table's GPU by a part of its name; its entries show as that table's, RMSNorm's
+    apart from LayerNorm's; a name that matches no model, or several, is a usage error listing them."""
+    from cunorm import tables
+
+    res = CliRunner().invoke(cli.main, ["list", "--gpu", "h100", "--json"])
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.stdout)
+    assert out["gpu"]["name"] == "NVIDIA H100 80GB HBM3" and out["arch"] == 90
+    source = {(r["hidden_size"], r["dtype"], r["op"]): r["source"] for r in out["rows"]}
+    shipped = "shipped NVIDIA H100 80GB HBM3 table"
+    assert source[(32768, "bfloat16", "rms")] == shipped and source[(32768, "bfloat16", "fwd")] == shipped
+    assert source[(12800, "bfloat16", "bwd")] != shipped  # no backward entry at 12800 in that table
+    text = CliRunner().invoke(cli.main, ["list", "--gpu", "H100"]).output
+    assert "unstaged" in text and "one wave" in text
+    for model in ("nvidia", "a100"):
+        bad = CliRunner().invoke(cli.main, ["list", "--gpu", model])
+        assert bad.exit_code == 2 and all(g.name in bad.output for g in tables.shipped_gpus())
 
 
 def test_list_table():

@@ -53,30 +53,50 @@ def info(as_json):
         click.echo(f"gpu {g['id']:<4} {g['name']} ({g['arch']}, {g['sms']} SMs, {g['memory_gib']} GiB)")
 
 
+# `cunorm list`'s ops, named as `cunorm tune --ops` names them: (backward, RMSNorm).
+LIST_OPS = {"fwd": (False, False), "bwd": (True, False), "rms": (False, True), "rms-bwd": (True, True)}
+
+
 @cli.main.command(name="list")
 @click.option("--arch", default="sm_90", show_default=True, help="Architecture the dispatch is for.")
+@click.option("--gpu", "model", metavar="MODEL",
+              help="A GPU model cunorm ships a table for (a part of its name: h100, h200), listed as dispatch "
+                   "would pick on it (with your table for it, if any); its architecture replaces --arch. "
+                   "Default: this machine's GPU, when it is of --arch.")
 @click.option("--json", "as_json", is_flag=True)
-def list_(arch, as_json):
-    """The dispatch table: traits per hidden size, dtype and direction."""
-    arch = cli._arch(arch)
+def list_(arch, model, as_json):
+    """The dispatch table: traits per hidden size, dtype and op (LayerNorm and RMSNorm, forward and backward)."""
+    from ..tables import shipped_gpus
     from ..traits import MIN_ARCH
+
+    gpu = None
+    if model is not None:
+        found = [g for g in shipped_gpus() if model.lower() in g.name.lower()]
+        if len(found) != 1:
+            names = ", ".join(g.name for g in shipped_gpus())
+            raise click.BadParameter(f"{model!r} names {len(found)} of the GPU models with a shipped table "
+                                     f"({names})", param_hint="--gpu")
+        gpu = found[0]
+        arch = f"sm_{gpu.cc}"
+    arch = cli._arch(arch)
 
     if arch < MIN_ARCH:
         message = f"sm_{arch}: no kernel of this table runs there (the normalization kernels need sm_{MIN_ARCH} or newer)"
         click.echo(json.dumps({"arch": arch, "error": message, "rows": []}) if as_json else message)
         sys.exit(cli.EXIT_FAIL)
-    gpu = cli._gpu_of_arch(arch)
+    if gpu is None:
+        gpu = cli._gpu_of_arch(arch)
     from ..tables import tables_for
 
     tables = [t.origin for t in tables_for(gpu)]
     rows = []
     for n in dispatch.TUNED_SIZES:
         for dt in dtypes.NAMES:
-            for backward in (False, True):
-                row = {"hidden_size": n, "dtype": dt, "op": "bwd" if backward else "fwd"}
+            for op, (backward, rms) in LIST_OPS.items():
+                row = {"hidden_size": n, "dtype": dt, "op": op}
                 try:
                     t, source = dispatch.choose(hidden_size=n, input_dtype=dt, weight_dtype=dt, output_dtype=dt,
-                                                backward=backward, arch=arch, gpu=gpu)
+                                                backward=backward, rms=rms, has_bias=not rms, arch=arch, gpu=gpu)
                 except ValueError as e:
                     rows.append({**row, "source": "unsupported", "error": str(e)})
                     continue
@@ -88,12 +108,13 @@ def list_(arch, as_json):
         return
     click.echo(f"# sm_{arch}" + ("" if gpu is None else f", {gpu.name}") + ": "
                + ("; ".join(tables) + ", then " if tables else "") + "the sm_90 literal (tuned.py), the heuristic")
-    click.echo(f"{'N':>6} {'dtype':<9} {'op':<3} {'WARPS_M':>7} {'WARPS_N':>7} {'CTAS/ROW':>8} {'B/LDG':>5} "
-               f"{'LDGS':>4} {'threads':>7}  source")
+    click.echo(f"{'N':>6} {'dtype':<9} {'op':<7} {'WARPS_M':>7} {'WARPS_N':>7} {'CTAS/ROW':>8} {'B/LDG':>5} "
+               f"{'LDGS':>4} {'threads':>7} {'grid':<8}  source")
     for r in rows:
         if r["source"] == "unsupported":
-            click.echo(f"{r['hidden_size']:>6} {r['dtype']:<9} {r['op']:<3} unsupported: {r['error']}")
+            click.echo(f"{r['hidden_size']:>6} {r['dtype']:<9} {r['op']:<7} unsupported: {r['error']}")
             continue
-        click.echo(f"{r['hidden_size']:>6} {r['dtype']:<9} {r['op']:<3} {r['warps_m']:>7} {r['warps_n']:>7} "
-                   f"{r['ctas_per_row']:>8} {r['bytes_per_ldg']:>5} {r['ldgs']:>4} {r['threads_per_cta']:>7}  "
+        click.echo(f"{r['hidden_size']:>6} {r['dtype']:<9} {r['op']:<7} {r['warps_m']:>7} {r['warps_n']:>7} "
+                   f"{r['ctas_per_row']:>8} {r['bytes_per_ldg']:>5} {r['ldgs']:>4} {r['threads_per_cta']:>7} "
+                   f"{'one wave' if r['persistent'] else 'unstaged':<8}  "
                    f"{r['source']}")

@@ -173,9 +173,7 @@ def _fit(knobs: dict, call: dict, general: bool, aligned: bool, arch: int) -> Tr
             t = t.replace(cache_weights=False)  # shifted rows take an extra vector and masks: registers
         if t.parallel:  # a second weight (and bias) held beside the first would spill: both re-read instead
             t = t.replace(cache_weights=False)
-        present = [t.weight_dtype] * t.has_weight + [t.bias_dtype] * t.has_bias
-        wide = max(map(dtypes.itemsize, present), default=0)
-        if wide > dtypes.itemsize(input_dtype):
+        if _wide_weights(input_dtype, call):
             # Wider weights than the tuned case: never hold them, and no 64-register CTAs.
             t = t.replace(cache_weights=False)
             if t.threads_per_cta > 512:

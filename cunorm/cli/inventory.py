@@ -53,10 +53,6 @@ def info(as_json):
         click.echo(f"gpu {g['id']:<4} {g['name']} ({g['arch']}, {g['sms']} SMs, {g['memory_gib']} GiB)")
 
 
-# `cunorm list`'s ops, named as `cunorm tune --ops` names them: (backward, RMSNorm).
-LIST_OPS = {"fwd": (False, False), "bwd": (True, False), "rms": (False, True), "rms-bwd": (True, True)}
-
-
 @cli.main.command(name="list")
 @click.option("--arch", default="sm_90", show_default=True, help="Architecture the dispatch is for.")
 @click.option("--gpu", "model", metavar="MODEL",
@@ -66,6 +62,7 @@ LIST_OPS = {"fwd": (False, False), "bwd": (True, False), "rms": (False, True), "
 @click.option("--json", "as_json", is_flag=True)
 def list_(arch, model, as_json):
     """The dispatch table: traits per hidden size, dtype and op (LayerNorm and RMSNorm, forward and backward)."""
+    from ..sweeps import SHORT_NAMES
     from ..tables import shipped_gpus
     from ..traits import MIN_ARCH
 
@@ -92,8 +89,8 @@ def list_(arch, model, as_json):
     rows = []
     for n in dispatch.TUNED_SIZES:
         for dt in dtypes.NAMES:
-            for op, (backward, rms) in LIST_OPS.items():
-                row = {"hidden_size": n, "dtype": dt, "op": op}
+            for op, (name, backward) in SHORT_NAMES.items():  # the ops as `cunorm tune --ops` names them
+                row, rms = {"hidden_size": n, "dtype": dt, "op": op}, name == "rms_norm"
                 try:
                     t, source = dispatch.choose(hidden_size=n, input_dtype=dt, weight_dtype=dt, output_dtype=dt,
                                                 backward=backward, rms=rms, has_bias=not rms, arch=arch, gpu=gpu)

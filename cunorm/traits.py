@@ -50,6 +50,8 @@ DTYPE_FIELDS = ("input_dtype", "weight_dtype", "bias_dtype", "output_dtype", "re
 OPTIONAL_DTYPE_FIELDS = ("rowscale_dtype", "dx0_dtype", "x1_dtype", "weight1_dtype", "bias1_dtype", "dx1_dtype")
 
 
+
+
 @dataclass(frozen=True)
 class Traits:
     """Independent knobs and flags of one normalization kernel; everything else
@@ -222,6 +224,16 @@ class Traits:
         return (self.backward and not self.rms and not self.from_output and self.aligned_rows
                 and self.input_dtype == "float32" and self.elts_per_thread <= LATE_DGAMMA_MAX_ELTS
                 and self.elts_per_ldg == 4 and not self.branch and self.dx1_dtype is None)
+
+    @property
+    def refine_mean(self) -> bool:
+        """REFINE_MEAN: LayerNorm's forward undoes the fp32 rounding of its mean on rows far from zero mean
+        (it adds the mean of h - mean there), for fp32 statistics (x not float64) on rows of fp32 precision
+        (x, a residual or x1 fp32). Half-precision rows cannot hold data far from zero mean relative to
+        their spread; float64 x has float64 statistics. The backward takes the mean it is given."""
+        summed = [self.input_dtype] + [self.residual_dtype] * self.has_residual + [self.x1_dtype]
+        return (not self.backward and not self.rms and dtypes.compute_dtype(self.input_dtype) == "float32"
+                and "float32" in summed)
 
     @property
     def parallel(self) -> bool:
@@ -517,6 +529,7 @@ class Traits:
             "HAS_RESIDUAL": "true" if self.has_residual else "false",
             "ZERO_CENTERED": "true" if self.zero_centered else "false",
             "LATE_DGAMMA": "true" if self.late_dgamma else "false",
+            "REFINE_MEAN": "true" if self.refine_mean else "false",
             "ALIGNED_ROWS": "true" if self.aligned_rows else "false",
             "ROW_AXES": self.row_axes,
             "PER_HEAD": int(self.per_head),

@@ -94,6 +94,11 @@ __device__ __forceinline__ double cn_fma(double a, double b, double c) { return 
 // fma that keeps subnormal results and operands whatever -ftz says (cupy.RawModule compiles with -ftz=true).
 __device__ __forceinline__ float cn_fma_keep_subnormal(float a, float b, float c) { return __fmaf_ieee_rn(a, b, c); }
 __device__ __forceinline__ double cn_fma_keep_subnormal(double a, double b, double c) { return fma(a, b, c); }
+// Correctly rounded on their own: never fused by ptxas into a neighbouring add (an FMA keeps the exact product).
+__device__ __forceinline__ float cn_mul_rn(float a, float b) { return __fmul_rn(a, b); }
+__device__ __forceinline__ double cn_mul_rn(double a, double b) { return __dmul_rn(a, b); }
+__device__ __forceinline__ float cn_div_rn(float a, float b) { return __fdiv_rn(a, b); }
+__device__ __forceinline__ double cn_div_rn(double a, double b) { return __ddiv_rn(a, b); }
 __device__ __forceinline__ float cn_rsqrt(float v) { return rsqrtf(v); }
 __device__ __forceinline__ double cn_rsqrt(double v) { return 1.0 / sqrt(v); }  // correctly rounded steps
 __device__ __forceinline__ bool cn_isfinite(float v) { return (__float_as_uint(v) & 0x7f800000u) != 0x7f800000u; }

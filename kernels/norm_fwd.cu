@@ -215,12 +215,17 @@ norm_fwd(const input_t* x, const residual_t* residual, const weight_t* __restric
 #pragma unroll
         for (int e = 0; e < ELTS_PER_LDG; ++e) sum[0] += value(it, e);
       reducer.allreduce(sum, at);
-      mean = sum[0] * inv_cols;
+      // REFINE_MEAN: rounded on its own, or ptxas fuses it into every h - mean (an FMA with the exact
+      // product), and a row of one value would not sum its deviations exactly (y = beta bit for bit).
+      mean = REFINE_MEAN ? cn_mul_rn(sum[0], inv_cols) : sum[0] * inv_cols;
     }
-    // The sum of squared deviations (RMSNorm: of h), each multiplied by SCALE first. Squares below fp32's
-    // smallest normal are kept (the kernels build with -ftz=true: a thread's first square would be lost).
-    auto sum_squares = [&](auto scale, auto row_only, compute_t (&total)[1]) {
+    // The sum of squared deviations (RMSNorm: of h), each multiplied by SCALE first; with SQUARE false the sum
+    // of the deviations themselves. Squares below fp32's smallest normal are kept (the kernels build with
+    // -ftz=true: a thread's first square would be lost).
+    auto sum_deviations = [&](auto scale, auto square, auto row_only, compute_t (&total)[1]) {
       constexpr compute_t SCALE = decltype(scale)::value;
+      constexpr bool SQUARE = decltype(square)::value;
+      auto add = [&](compute_t d) { total[0] = SQUARE ? cn_fma_keep_subnormal(d, d, total[0]) : total[0] + d; };
       with_edges(at, [&](auto edges) {
         constexpr bool EDGES = decltype(edges)::value;
 #pragma unroll
@@ -229,15 +234,12 @@ norm_fwd(const input_t* x, const residual_t* residual, const weight_t* __restric
           if (RMS || whole<EDGES>(it, at)) {  // RMSNorm: padding holds 0, which adds nothing
 #pragma unroll
             for (int e = 0; e < ELTS_PER_LDG; ++e) {
-              const compute_t d = SCALE == 1 ? value(it, e) - mean : (value(it, e) - mean) * SCALE;
-              total[0] = cn_fma_keep_subnormal(d, d, total[0]);
+              add(SCALE == 1 ? value(it, e) - mean : (value(it, e) - mean) * SCALE);
             }
           } else {  // a row end (general kernel): padding holds 0, not the mean
 #pragma unroll
             for (int e = 0; e < ELTS_PER_LDG; ++e) {
-              const compute_t d = at.valid(it, e) ? (SCALE == 1 ? value(it, e) - mean : (value(it, e) - mean) * SCALE)
-                                                  : compute_t(0);
-              total[0] = cn_fma_keep_subnormal(d, d, total[0]);
+              add(at.valid(it, e) ? (SCALE == 1 ? value(it, e) - mean : (value(it, e) - mean) * SCALE) : compute_t(0));
             }
           }
         }
@@ -245,7 +247,7 @@ norm_fwd(const input_t* x, const residual_t* residual, const weight_t* __restric
       reducer.template allreduce<decltype(row_only)::value>(total, at);
     };
     compute_t sq[1] = {0};
-    sum_squares(PowerOfTwo<0>(), Flag<false>(), sq);
+    sum_deviations(PowerOfTwo<0>(), Flag<true>(), Flag<false>(), sq);
     // A row holding inf or NaN has a sum of squares that is not finite: all of its outputs, mean and rstd
     // included, are NaN (documented; RMSNorm would otherwise give rstd = 0 and zeros beside the NaN).
     bool finite = cn_isfinite(sq[0]);
@@ -258,7 +260,7 @@ norm_fwd(const input_t* x, const residual_t* residual, const weight_t* __restric
       // fp32's smallest normal (std past 2^126), which -ftz=true flushes to 0, stay NaN.
       if (reducer.row_group_any(!finite)) {
         compute_t scaled[1] = {0};
-        sum_squares(PowerOfTwo<-96>(), Flag<true>(), scaled);
+        sum_deviations(PowerOfTwo<-96>(), Flag<true>(), Flag<true>(), scaled);
         constexpr compute_t UNSCALE = PowerOfTwo<-96>::value;  // var + eps = (scaled/N + eps UNSCALE^2) / UNSCALE^2
         const compute_t r = cn_rsqrt(scaled[0] * inv_cols + eps * UNSCALE * UNSCALE);
         if (!finite && cn_isfinite(scaled[0]) && r >= PowerOfTwo<-30>::value) {
@@ -267,10 +269,29 @@ norm_fwd(const input_t* x, const residual_t* residual, const weight_t* __restric
         }
       }
     }
+    // REFINE_MEAN: on rows whose mean is REFINE_MIN_OFFSET standard deviations (eps left out) or more from
+    // zero, not those summed again above, corr, the mean of h - mean, corrects the mean and the variance. A
+    // row of one value is such a row: its deviations are equal and summed exactly, corr is their exact
+    // quotient, and h - mean - corr is 0 (y = beta bit for bit).
+    compute_t corr = 0;
+    if constexpr (REFINE_MEAN) {
+      const bool offset = cn_isfinite(sq[0]) &&
+                          mean * mean * compute_t(COLS) >= REFINE_MIN_OFFSET * REFINE_MIN_OFFSET * sq[0];
+      if (reducer.reduction_group_any(offset)) {
+        compute_t dev[1] = {0};
+        sum_deviations(PowerOfTwo<0>(), Flag<false>(), Flag<false>(), dev);
+        if (offset) {
+          corr = (COLS & (COLS - 1)) == 0 ? dev[0] * inv_cols : cn_div_rn(dev[0], compute_t(COLS));
+          rstd = cn_rsqrt(fmax(sq[0] * inv_cols - corr * corr, compute_t(0)) + eps);
+        }
+      }
+    }
     // xhat of element e of LDG step `it`: (h - mean) * rstd, not h * rstd - mean * rstd: exact even when
     // |mean| >> std. A row of one element normalizes to 0 (y = beta), whatever eps. NaN rows stay NaN.
     auto xhat_at = [&](int it, int e) -> compute_t {
-      return (!RMS && COLS == 1) ? 0 * rstd : (value(it, e) - mean) * rstd;
+      if constexpr (!RMS && COLS == 1) return 0 * rstd;
+      else if constexpr (REFINE_MEAN) return (value(it, e) - mean - corr) * rstd;
+      else return (value(it, e) - mean) * rstd;
     };
     // xhat * g of element e of LDG step `it` (wv: gamma's vector there); y adds beta.
     auto scaled_at = [&](int it, int e, const auto& wv) -> compute_t {
@@ -366,7 +387,7 @@ norm_fwd(const input_t* x, const residual_t* residual, const weight_t* __restric
         }
       });
       if (at.row_leader()) {
-        if (mean_out) mean_out[row] = finite ? mean : rstd;  // NaN rows: NaN
+        if (mean_out) mean_out[row] = finite ? (REFINE_MEAN ? mean + corr : mean) : rstd;  // NaN rows: NaN
         if (rstd_out) rstd_out[row] = rstd;
       }
     }

@@ -25,6 +25,13 @@ constexpr bool HAS_WEIGHT = ${HAS_WEIGHT};
 constexpr bool HAS_BIAS = ${HAS_BIAS};
 constexpr bool HAS_RESIDUAL = ${HAS_RESIDUAL};    // forward: residual added; backward: dresidual added
 constexpr bool ZERO_CENTERED = ${ZERO_CENTERED};  // the weight multiplies as (1 + gamma)
+// LayerNorm forwards of rows of fp32 precision (x, or what is summed into it, fp32): the mean's fp32 rounding,
+// which is off the row's mean by up to |mean| * 2^-24 (xhat's error in units of the std), is undone on rows
+// whose mean lies REFINE_MIN_OFFSET standard deviations or more from zero: such rows (and only they) take one
+// more row reduction, of h - mean. Other rows stay within 2^-22 of the std, fp32's own rounding.
+// Half-precision rows cannot hold such offset data.
+constexpr bool REFINE_MEAN = ${REFINE_MEAN};
+constexpr float REFINE_MIN_OFFSET = 4.f;
 // Every row starts on a vector boundary and is whole vectors long. Otherwise
 // (the general kernel) a row is read in the aligned frame around it: vector v
 // of a row covers the elements [v * E - shift, (v + 1) * E - shift), where
@@ -87,6 +94,7 @@ static_assert(ROW_AXES == 1 || ROW_AXES == 3, "ROW_AXES must be 1 or 3");
 static_assert(!PER_HEAD || !CACHE_WEIGHTS, "per-head weights are read per row, not held");
 static_assert(ROW_AXES == 1 || ALIGNED_ROWS, "rows through three leading axes must be aligned rows");
 static_assert(!ZERO_CENTERED || HAS_WEIGHT, "a zero-centered weight needs a weight");
+static_assert(!REFINE_MEAN || (!RMS && sizeof(compute_t) == 4), "REFINE_MEAN is for LayerNorm's fp32 statistics");
 
 // The rows of one row tensor with ROW_AXES == 3: row r = (i0, i1, i2) in C
 // order over leading sizes (d0, d1, d2) starts at i0 * s0 + i1 * s1 + i2 * s2.
@@ -579,6 +587,15 @@ struct RowReducer {
   __device__ __forceinline__ bool row_group_any(bool flag) const {
     if constexpr (WARPS_N == 1 && CTAS_PER_ROW == 1) return __any_sync(0xffffffffu, flag);
     else return flag;  // a warp (and a cluster) holds one row
+  }
+
+  // Whether `flag`, the same for every thread of a row, holds for any row that shares this row's reduction
+  // (the CTA's rows where they span several warps, the warp's where they share one): a branch on it may hold
+  // an allreduce over the CTA (no named barrier, whose partial counts compute-sanitizer's racecheck reported
+  // hazards on). CTAs of several rows a warp row vote at a barrier; the others need none.
+  __device__ __forceinline__ bool reduction_group_any(bool flag) const {
+    if constexpr (WARPS_M > 1 && WARPS_N > 1) return __syncthreads_or(flag);
+    else return row_group_any(flag);
   }
 };
 

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 import cunorm
-from cunorm import dtypes
+from cunorm import dtypes, reference
 
 
 def test_numpy_forward_and_backward(rng):
@@ -66,6 +66,27 @@ def test_numpy_rows_at_the_ends_of_the_range(rng):
             np.testing.assert_allclose(dx * np.float64(scale), dx0, rtol=1e-4, atol=1e-5 * np.abs(dx0).max())
         x16 = rng.uniform(-60000, 60000, size=(4, 1000)).astype(np.float16)
         assert np.isfinite(op(x16, w.astype(np.float16))).all()
+
+
+def test_numpy_rows_of_mean_1e4_within_1e_5(rng):
+    """The numpy path on fp32 rows of mean 1e4 and std 1, with and without an fp32 residual: y (float64
+    statistics) within 1e-5 of float64, mean returned as fp32; a row of one value gives y = bias exactly."""
+    def rel_l2(got, want):
+        got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+        return np.linalg.norm(got - want) / np.linalg.norm(want) if np.isfinite(got).all() else np.inf
+
+    m, n = 6, 1024
+    x = (1e4 * rng.choice([-1.0, 1.0], size=(m, 1)) + rng.standard_normal((m, n))).astype(np.float32)
+    w = (1 + 0.5 * rng.standard_normal(n)).astype(np.float32)
+    b = rng.standard_normal(n).astype(np.float32)
+    for res in (None, rng.standard_normal((m, n)).astype(np.float32)):
+        outs = cunorm.layer_norm(x, w, b, residual=res, return_stats=True)
+        y, mean = outs[0], outs[-2]
+        assert mean.dtype == np.float32
+        h = x.astype(np.float64) + (0.0 if res is None else res)
+        assert rel_l2(y, reference.layer_norm(h, w, b, 1e-5)[0]) <= 1e-5
+    flat = np.full((2, n), 1e4 + 0.37, dtype=np.float32)
+    np.testing.assert_array_equal(cunorm.layer_norm(flat, w, b), np.broadcast_to(b, (2, n)))
 
 
 def test_numpy_bf16_and_out_dtype(rng):

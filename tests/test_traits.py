@@ -430,3 +430,19 @@ def test_a_spilling_unstaged_pick_falls_back_to_the_staged_heuristic():
     case = check.Case("layer_norm", 4096, 3, "bfloat16", "bfloat16")
     picks = list(check.case_kernels([case], 90, spills=lambda traits: not traits.persistent))
     assert [(p.persistent, origin) for p, origin in picks] == [(True, "heuristic (the pick spills)")]
+
+
+def test_half_precision_rows_are_not_refined():
+    """bf16 and fp16 rows keep the unrefined forwards (they cannot hold offset data that needs it), fp32 x and
+    an fp32 residual beside bf16 x take the refined ones; RMSNorm, backwards and float64 x never do."""
+    assert not Traits(hidden_size=4096, input_dtype="bfloat16").refine_mean
+    assert not Traits(hidden_size=4096, input_dtype="float16", has_residual=True, residual_dtype="float16").refine_mean
+    assert Traits(hidden_size=4096, input_dtype="float32").refine_mean
+    assert Traits(hidden_size=4096, input_dtype="bfloat16", has_residual=True, residual_dtype="float32").refine_mean
+    assert not Traits(hidden_size=4096, input_dtype="float32", rms=True).refine_mean
+    assert not Traits(hidden_size=4096, input_dtype="float32", backward=True).refine_mean
+    assert not Traits(hidden_size=4096, input_dtype="float64").refine_mean
+    # float64 x has float64 statistics, whatever is summed into it (REFINE_MEAN's static_assert refuses it)
+    t = Traits(hidden_size=1000, input_dtype="float64", has_residual=True, residual_dtype="float32")
+    assert not t.refine_mean and t.template_values()["REFINE_MEAN"] == "false"
+    assert Traits(hidden_size=4096, input_dtype="float32").template_values()["REFINE_MEAN"] == "true"

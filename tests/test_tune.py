@@ -173,6 +173,19 @@ def test_candidates_are_the_kernels_dispatch_would_run_for_the_key():
 
 
 
+def test_refinements_are_what_dispatch_runs_for_a_late_dgamma_backward():
+    """A late-dgamma backward (fp32 LayerNorm, 16-byte vectors) keeps dispatch's register cap among the extras:
+    an entry measured at one CTA an SM would run at two (the H100 table's 2048 with a residual did)."""
+    from cunorm import dispatch
+
+    shape = dispatch.choose(hidden_size=2048, input_dtype="float32", backward=True, has_residual=True,
+                            residual_dtype="float32", tuned=False)[0]
+    extras = tune.refinements(shape)
+    late = [t for t in extras if t.late_dgamma and t.threads_per_cta in (128, 256)]
+    assert late and all(t.min_ctas_per_sm > 1 for t in late)  # one CTA an SM is what dispatch raises
+    assert all(dispatch._late_dgamma_registers(t) == t for t in extras) and len(set(extras)) == len(extras)
+
+
 def test_forward_candidates_include_each_shape_unstaged_at_both_screening_caps():
     """Every forward shape, cluster shapes included, is also screened unstaged at each of
     UNSTAGED_SCREEN_CAPS with weights held and re-read (one cap and held weights alone dropped LayerNorm

@@ -591,8 +591,9 @@ struct RowReducer {
 
   // Whether `flag`, the same for every thread of a row, holds for any row that shares this row's reduction
   // (the CTA's rows where they span several warps, the warp's where they share one): a branch on it may hold
-  // an allreduce over the CTA (no named barrier, whose partial counts compute-sanitizer's racecheck reported
-  // hazards on). CTAs of several rows a warp row vote at a barrier; the others need none.
+  // an allreduce over the CTA, no row-only reduction (racecheck reported hazards on one in such a branch of a
+  // backward trial, PERFORMANCE.md version 42). CTAs of several rows a warp row vote at a barrier; the others
+  // need none.
   __device__ __forceinline__ bool reduction_group_any(bool flag) const {
     if constexpr (WARPS_M > 1 && WARPS_N > 1) return __syncthreads_or(flag);
     else return row_group_any(flag);

@@ -50,8 +50,6 @@ DTYPE_FIELDS = ("input_dtype", "weight_dtype", "bias_dtype", "output_dtype", "re
 OPTIONAL_DTYPE_FIELDS = ("rowscale_dtype", "dx0_dtype", "x1_dtype", "weight1_dtype", "bias1_dtype", "dx1_dtype")
 
 
-
-
 @dataclass(frozen=True)
 class Traits:
     """Independent knobs and flags of one normalization kernel; everything else
@@ -229,8 +227,9 @@ class Traits:
     def refine_mean(self) -> bool:
         """REFINE_MEAN: LayerNorm's forward undoes the fp32 rounding of its mean on rows far from zero mean
         (it adds the mean of h - mean there), for fp32 statistics (x not float64) on rows of fp32 precision
-        (x, a residual or x1 fp32). Half-precision rows cannot hold data far from zero mean relative to
-        their spread; float64 x has float64 statistics. The backward takes the mean it is given."""
+        (x, a residual or x1 fp32). Half-precision rows carry at most 11 significant bits, so the fp32
+        mean's error stays far below their own rounding; float64 x has float64 statistics. The backward takes
+        the mean it is given."""
         summed = [self.input_dtype] + [self.residual_dtype] * self.has_residual + [self.x1_dtype]
         return (not self.backward and not self.rms and dtypes.compute_dtype(self.input_dtype) == "float32"
                 and "float32" in summed)

@@ -95,6 +95,7 @@ __device__ __forceinline__ double cn_fma(double a, double b, double c) { return 
 __device__ __forceinline__ float cn_fma_keep_subnormal(float a, float b, float c) { return __fmaf_ieee_rn(a, b, c); }
 __device__ __forceinline__ double cn_fma_keep_subnormal(double a, double b, double c) { return fma(a, b, c); }
 // Correctly rounded on their own: never fused by ptxas into a neighbouring add (an FMA keeps the exact product).
+// The double forms let fp64 kernels compile the (discarded) REFINE_MEAN code.
 __device__ __forceinline__ float cn_mul_rn(float a, float b) { return __fmul_rn(a, b); }
 __device__ __forceinline__ double cn_mul_rn(double a, double b) { return __dmul_rn(a, b); }
 __device__ __forceinline__ float cn_div_rn(float a, float b) { return __fdiv_rn(a, b); }

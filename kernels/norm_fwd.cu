@@ -272,7 +272,9 @@ norm_fwd(const input_t* x, const residual_t* residual, const weight_t* __restric
     // REFINE_MEAN: on rows whose mean is REFINE_MIN_OFFSET standard deviations (eps left out) or more from
     // zero, not those summed again above, corr, the mean of h - mean, corrects the mean and the variance. A
     // row of one value is such a row: its deviations are equal and summed exactly, corr is their exact
-    // quotient, and h - mean - corr is 0 (y = beta bit for bit).
+    // quotient, and h - mean - corr is 0 (y = beta bit for bit), unless its squared deviations overflowed
+    // (values past about 1e23): rows summed again above keep the first mean. A row of zeros (and a row past
+    // the end) counts as offset too: corr = 0 there, but its row group takes the extra reduction.
     compute_t corr = 0;
     if constexpr (REFINE_MEAN) {
       const bool offset = cn_isfinite(sq[0]) &&
@@ -286,8 +288,8 @@ norm_fwd(const input_t* x, const residual_t* residual, const weight_t* __restric
         }
       }
     }
-    // xhat of element e of LDG step `it`: (h - mean) * rstd, not h * rstd - mean * rstd: exact even when
-    // |mean| >> std. A row of one element normalizes to 0 (y = beta), whatever eps. NaN rows stay NaN.
+    // xhat of element e of LDG step `it`: (h - mean [- corr]) * rstd, not h * rstd - mean * rstd: exact even
+    // when |mean| >> std. A row of one element normalizes to 0 (y = beta), whatever eps. NaN rows stay NaN.
     auto xhat_at = [&](int it, int e) -> compute_t {
       if constexpr (!RMS && COLS == 1) return 0 * rstd;
       else if constexpr (REFINE_MEAN) return (value(it, e) - mean - corr) * rstd;

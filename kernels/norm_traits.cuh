@@ -25,11 +25,11 @@ constexpr bool HAS_WEIGHT = ${HAS_WEIGHT};
 constexpr bool HAS_BIAS = ${HAS_BIAS};
 constexpr bool HAS_RESIDUAL = ${HAS_RESIDUAL};    // forward: residual added; backward: dresidual added
 constexpr bool ZERO_CENTERED = ${ZERO_CENTERED};  // the weight multiplies as (1 + gamma)
-// LayerNorm forwards of rows of fp32 precision (x, or what is summed into it, fp32): the mean's fp32 rounding,
-// which is off the row's mean by up to |mean| * 2^-24 (xhat's error in units of the std), is undone on rows
-// whose mean lies REFINE_MIN_OFFSET standard deviations or more from zero: such rows (and only they) take one
-// more row reduction, of h - mean. Other rows stay within 2^-22 of the std, fp32's own rounding.
-// Half-precision rows cannot hold such offset data.
+// LayerNorm forwards of rows of fp32 precision (x, or what is summed into it, fp32): the fp32 mean's error (its
+// sum's rounding and its own, a few ulps of |mean|: xhat's error in units of the std) is undone on rows whose
+// mean lies REFINE_MIN_OFFSET standard deviations or more from zero: such rows' groups take one more row
+// reduction, of h - mean. On the others it stays within a few ulps of 4 std. Half-precision rows carry too
+// few bits for it to matter.
 constexpr bool REFINE_MEAN = ${REFINE_MEAN};
 constexpr float REFINE_MIN_OFFSET = 4.f;
 // Every row starts on a vector boundary and is whole vectors long. Otherwise
@@ -591,9 +591,9 @@ struct RowReducer {
 
   // Whether `flag`, the same for every thread of a row, holds for any row that shares this row's reduction
   // (the CTA's rows where they span several warps, the warp's where they share one): a branch on it may hold
-  // an allreduce over the CTA, no row-only reduction (racecheck reported hazards on one in such a branch of a
-  // backward trial, PERFORMANCE.md version 42). CTAs of several rows a warp row vote at a barrier; the others
-  // need none.
+  // a full allreduce. CTAs holding several rows of several warps each vote at a barrier; the others need
+  // none. (A row-only reduction in such a branch drew racecheck hazards, not explained, in a backward trial:
+  // PERFORMANCE.md version 42; the overflow branch above uses one and ran clean.)
   __device__ __forceinline__ bool reduction_group_any(bool flag) const {
     if constexpr (WARPS_M > 1 && WARPS_N > 1) return __syncthreads_or(flag);
     else return row_group_any(flag);

@@ -69,8 +69,9 @@ def test_numpy_rows_at_the_ends_of_the_range(rng):
 
 
 def test_numpy_rows_of_mean_1e4_within_1e_5(rng):
-    """The numpy path on fp32 rows of mean 1e4 and std 1, with and without an fp32 residual: y (float64
-    statistics) within 1e-5 of float64, mean returned as fp32; a row of one value gives y = bias exactly."""
+    """The numpy path (float64 statistics, so not the kernels' refinement) on fp32 rows of mean 1e4 and std 1,
+    with and without an fp32 residual: y within 1e-5 of float64, mean returned as fp32; a row of one value
+    gives y = bias exactly."""
     def rel_l2(got, want):
         got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
         return np.linalg.norm(got - want) / np.linalg.norm(want) if np.isfinite(got).all() else np.inf

@@ -50,6 +50,15 @@ def _tiers(request):
 
 
 @pytest.fixture
+def poisoned():
+    """poisoned(shape, dtype="float32"): a CuPy output array filled with NaN, so that an element a call leaves
+    unwritten fails its check."""
+    import cupy
+
+    return lambda shape, dtype="float32": cupy.full(shape, cupy.nan, dtype=dtype)
+
+
+@pytest.fixture
 def rng(request):
     import numpy as np
 

@@ -13,15 +13,9 @@ pytestmark = pytest.mark.gpu
 OFFSET_TOLERANCE = 1e-5
 
 
-def _poisoned(shape, dtype="float32"):
-    import cupy
-
-    return cupy.full(shape, cupy.nan, dtype=dtype)
-
-
 @pytest.mark.parametrize("residual", [False, True])
 @pytest.mark.parametrize("n", [1024, 4096, 65537])
-def test_rows_of_mean_1e4_and_std_1_within_1e_5(n, residual, rng):
+def test_rows_of_mean_1e4_and_std_1_within_1e_5(n, residual, rng, poisoned):
     """fp32 rows of mean 1e4 (drawn per row, of either sign) and std 1: y, mean and rstd of the forward, every
     element against the float64 reference of the exact rows; with a residual, h = x + residual (both fp32)
     is what is offset, and residual_out holds it rounded to fp32."""
@@ -34,7 +28,7 @@ def test_rows_of_mean_1e4_and_std_1_within_1e_5(n, residual, rng):
     w = (1 + 0.5 * rng.standard_normal(n)).astype(np.float32)
     b = rng.standard_normal(n).astype(np.float32)
     xg, wg, bg = map(cupy.asarray, (x, w, b))
-    kw = dict(residual=cupy.asarray(res), out=_poisoned((m, n))) if residual else dict(out=_poisoned((m, n)))
+    kw = dict(residual=cupy.asarray(res), out=poisoned((m, n))) if residual else dict(out=poisoned((m, n)))
     outs = cunorm.layer_norm(xg, wg, bg, return_stats=True, **kw)
     y, h, mean, rstd = outs if residual else (outs[0], None, *outs[1:])
     # with a residual, the row normalized is h rounded to fp32 (stored as residual_out): the reference's too
@@ -47,7 +41,7 @@ def test_rows_of_mean_1e4_and_std_1_within_1e_5(n, residual, rng):
 
 
 @pytest.mark.parametrize("n", [7, 1001, 1024, 4096, 65537])
-def test_rows_of_one_value_give_the_bias_bit_for_bit(n, rng):
+def test_rows_of_one_value_give_the_bias_bit_for_bit(n, rng, poisoned):
     """A row of one value (near 1e4, or small) has variance 0: y is beta exactly, mean is the value and rstd
     1 / sqrt(eps); the backward (xhat = 0 there) matches float64 given those statistics."""
     import cupy
@@ -58,20 +52,20 @@ def test_rows_of_one_value_give_the_bias_bit_for_bit(n, rng):
     w = (1 + 0.5 * rng.standard_normal(n)).astype(np.float32)
     b = rng.standard_normal(n).astype(np.float32)
     y, mean, rstd = cunorm.layer_norm(cupy.asarray(x), cupy.asarray(w), cupy.asarray(b), return_stats=True,
-                                      out=_poisoned((m, n)))
+                                      out=poisoned((m, n)))
     assert cupy.array_equal(y, cupy.asarray(np.broadcast_to(b, (m, n))))
     assert cupy.array_equal(mean, cupy.asarray(x[:, 0]))
     assert check.rel_l2(rstd, np.full(m, 1 / np.sqrt(1e-5))) <= 1e-6
     dy = rng.standard_normal((m, n)).astype(np.float32)
     dx, dw, db = cunorm.layer_norm_backward(cupy.asarray(dy), cupy.asarray(x), mean, rstd, cupy.asarray(w),
-                                            out=_poisoned((m, n)))
+                                            out=poisoned((m, n)))
     refs = reference.layer_norm_backward(dy, x, cupy.asnumpy(mean), cupy.asnumpy(rstd), w)
     for got, want in zip((dx, dw, db), refs):
         assert check.rel_l2(got, want) <= check.TOLERANCE["float32"]
 
 
 @pytest.mark.parametrize("n", [768, 1024, 1001, 4096])
-def test_offset_rows_beside_centred_rows_match_each_row_alone(n, rng):
+def test_offset_rows_beside_centred_rows_match_each_row_alone(n, rng, poisoned):
     """Offset rows (mean 1e4) and centred rows mixed in one call (on the H100's table, CTAs of several rows of
     several warps at 768 and 4096, which vote): every row's y, mean and rstd are bitwise those of the row
     computed alone (the refinement of one row never changes its neighbours'), and y is within 1e-5 of
@@ -87,11 +81,11 @@ def test_offset_rows_beside_centred_rows_match_each_row_alone(n, rng):
         w = (1 + 0.5 * rng.standard_normal(n)).astype(np.float32)
         b = rng.standard_normal(n).astype(np.float32)
         xg, wg, bg = map(cupy.asarray, (x, w, b))
-        y, mean, rstd = cunorm.layer_norm(xg, wg, bg, return_stats=True, out=_poisoned((m, n)))
+        y, mean, rstd = cunorm.layer_norm(xg, wg, bg, return_stats=True, out=poisoned((m, n)))
         y_ref = reference.layer_norm(x.astype(np.float64), w, b, 1e-5)[0]
         assert check.rel_l2(y, y_ref) <= OFFSET_TOLERANCE
         for i in range(m):
-            yi, mi, ri = cunorm.layer_norm(xg[i:i + 1], wg, bg, return_stats=True, out=_poisoned((1, n)))
+            yi, mi, ri = cunorm.layer_norm(xg[i:i + 1], wg, bg, return_stats=True, out=poisoned((1, n)))
             assert cupy.array_equal(yi, y[i:i + 1]) and cupy.array_equal(mi, mean[i:i + 1]), i
             assert cupy.array_equal(ri, rstd[i:i + 1]), i
     finally:

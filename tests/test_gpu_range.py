@@ -19,15 +19,9 @@ CASES = [(128, "float32"), (768, "float32"), (1001, "float32"), (4096, "float32"
 ROW_SCALES = (1.0, 1e18, 1e19, 1e-18)
 
 
-def _poisoned(shape, dtype):
-    import cupy
-
-    return cupy.full(shape, cupy.nan, dtype=dtype)
-
-
 @pytest.mark.parametrize("op", ["layer_norm", "rms_norm"])
 @pytest.mark.parametrize("n,dtype", CASES)
-def test_rows_scaled_by_1e19_to_1e_18_normalize_as_unscaled(op, n, dtype, rng):
+def test_rows_scaled_by_1e19_to_1e_18_normalize_as_unscaled(op, n, dtype, rng, poisoned):
     """Rows of mean 0.5 and std 2, each scaled by 1, 1e18, 1e19 or 1e-18 (drawn per row, so scaled rows sit
     beside unscaled ones in every warp and CTA), eps = 0 (an eps > 0 is a floor on the variance, not
     scale-free): y, mean and rstd match float64, the unscaled rows bit for bit as in a call without the
@@ -41,8 +35,8 @@ def test_rows_scaled_by_1e19_to_1e_18_normalize_as_unscaled(op, n, dtype, rng):
     x = cupy.asarray((base.astype(np.float64) * scales[:, None]).astype(dt))
     w = cupy.asarray((1 + 0.5 * rng.standard_normal(n)).astype(dt))
     fwd, tol = getattr(cunorm, op), check.TOLERANCE[dtype]
-    y0, *stats0 = fwd(cupy.asarray(base), w, eps=0.0, return_stats=True, out=_poisoned(base.shape, dt))
-    y, *stats = fwd(x, w, eps=0.0, return_stats=True, out=_poisoned(x.shape, dt))
+    y0, *stats0 = fwd(cupy.asarray(base), w, eps=0.0, return_stats=True, out=poisoned(base.shape, dt))
+    y, *stats = fwd(x, w, eps=0.0, return_stats=True, out=poisoned(x.shape, dt))
     assert bool(cupy.isfinite(y).all()) and all(bool(cupy.isfinite(s).all()) for s in stats)
     unit = cupy.asarray(scales == 1.0)
     assert cupy.array_equal(y[unit], y0[unit])
@@ -57,7 +51,7 @@ def test_rows_scaled_by_1e19_to_1e_18_normalize_as_unscaled(op, n, dtype, rng):
             assert check.rel_l2(got[rows], want[rows]) <= 2e-6, (s, name)
 
     dy = cupy.asarray(rng.standard_normal((m, n)).astype(dt))
-    dx_out = _poisoned(x.shape, dt)
+    dx_out = poisoned(x.shape, dt)
     # The reference takes the kernel's own statistics: the gradients of what the forward computed.
     if op == "layer_norm":
         grads = cunorm.layer_norm_backward(dy, x, *stats, w, out=dx_out)
@@ -75,7 +69,7 @@ def test_rows_scaled_by_1e19_to_1e_18_normalize_as_unscaled(op, n, dtype, rng):
 
 @pytest.mark.parametrize("op", ["layer_norm", "rms_norm"])
 @pytest.mark.parametrize("n", (128, 768, 1001, 4096, 65536))
-def test_rows_past_the_range_are_nan_never_zeros(op, n):
+def test_rows_past_the_range_are_nan_never_zeros(op, n, poisoned):
     """Rows holding inf or NaN, and rows whose std passes 2^126 (their rstd would be below fp32's smallest
     normal), come out NaN (y, mean, rstd), beside rows just inside the range (std 5e37) and ordinary rows
     that come out right: the scaled second sum neither hides a bad row nor touches its neighbours."""
@@ -90,7 +84,7 @@ def test_rows_past_the_range_are_nan_never_zeros(op, n):
     x[6, ::2] = -2e38  # std 2e38: past 2^126
     x[7] = 5e37
     x[7, ::2] = -5e37  # std 5e37: rstd 2e-38, still normal
-    y, *stats = getattr(cunorm, op)(x, return_stats=True, out=_poisoned(x.shape, np.float32))
+    y, *stats = getattr(cunorm, op)(x, return_stats=True, out=poisoned(x.shape, np.float32))
     good = [0, 2, 3, 5, 7]
     for row in good:
         assert bool(cupy.isfinite(y[row]).all()) and all(bool(cupy.isfinite(s[row])) for s in stats), row
@@ -101,7 +95,7 @@ def test_rows_past_the_range_are_nan_never_zeros(op, n):
 
 @pytest.mark.parametrize("with_residual", [False, True])
 @pytest.mark.parametrize("op", ["layer_norm", "rms_norm"])
-def test_fp16_rows_up_to_60000(op, with_residual, rng):
+def test_fp16_rows_up_to_60000(op, with_residual, rng, poisoned):
     """fp16 rows spanning its range (squares far past fp16's, and past fp32's sum for no N): finite, as the
     float64 reference, and scale-invariant: the rows divided by 2^10 (exact here) give the same y."""
     import cupy
@@ -112,7 +106,7 @@ def test_fp16_rows_up_to_60000(op, with_residual, rng):
     w = cupy.asarray(rng.standard_normal(n).astype(np.float16))
     fwd = getattr(cunorm, op)
     wide = {"residual_dtype": "float32"} if with_residual else {}  # h kept in fp32: fp16 would overflow
-    got = fwd(x, w, eps=0.0, residual=r, out=_poisoned(x.shape, np.float16), **wide)
+    got = fwd(x, w, eps=0.0, residual=r, out=poisoned(x.shape, np.float16), **wide)
     y, h = (got[0], got[1]) if with_residual else (got, x)
     assert bool(cupy.isfinite(y).all())
     assert check.rel_l2(y, getattr(reference, op)(h, w, eps=0.0)[0]) <= check.TOLERANCE["float16"]

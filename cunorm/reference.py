@@ -122,6 +122,13 @@ def parallel_backward(dy, dy1, xhat, rstd, weight, weight1, *, rms: bool = False
     return dx, (dy * xhat).sum(axis=lead), dy.sum(axis=lead), (dy1 * xhat).sum(axis=lead), dy1.sum(axis=lead)
 
 
+def refined_mean(x, mean):
+    """The row means of x in float64, given `mean` near them (the forward's, rounded to fp32): mean plus the
+    mean of x - mean, which undoes the rounding (REFINE_MEAN's backward does the same in fp32)."""
+    x, mean = _f64(x), _f64(mean)
+    return mean + (x - mean[..., None]).mean(axis=-1)
+
+
 def recovered_xhat(x, rstd=None, mean=None, *, weight=None, bias=None, from_output: bool = False,
                    zero_centered_weight: bool = False):
     """xhat in float64 as a backward recovers it: (x - mean) * rstd (mean None: RMSNorm's x * rstd), or,

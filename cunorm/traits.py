@@ -50,6 +50,16 @@ DTYPE_FIELDS = ("input_dtype", "weight_dtype", "bias_dtype", "output_dtype", "re
 OPTIONAL_DTYPE_FIELDS = ("rowscale_dtype", "dx0_dtype", "x1_dtype", "weight1_dtype", "bias1_dtype", "dx1_dtype")
 
 
+def refines_mean(*, rms: bool, from_output: bool, input_dtype: str, summed_dtypes=()) -> bool:
+    """Whether LayerNorm's statistics undo the fp32 rounding of the mean (REFINE_MEAN): fp32 statistics
+    (x not float64) on rows of fp32 precision (x, or a dtype summed into the normalized row, fp32); the
+    forward adds the mean of h - mean, the backward takes the mean of (x - mean) * rstd off xhat, so that
+    rows far from zero mean normalize and differentiate as exactly as centred ones. Half-precision rows cannot hold data far from zero mean
+    relative to their spread; float64 x has float64 statistics."""
+    return (not rms and not from_output and dtypes.compute_dtype(input_dtype) == "float32"
+            and "float32" in (input_dtype, *summed_dtypes))
+
+
 @dataclass(frozen=True)
 class Traits:
     """Independent knobs and flags of one normalization kernel; everything else
@@ -224,15 +234,21 @@ class Traits:
                 and self.elts_per_ldg == 4 and not self.branch and self.dx1_dtype is None)
 
     @property
+    def dgamma_after_reduction(self) -> bool:
+        """(backward) The kernel's LATE_DGAMMA: late_dgamma's calls, and REFINE_MEAN's, whose xhat is known only
+        after the row reduction (it takes the mean of xhat off)."""
+        return self.late_dgamma or (self.backward and self.refine_mean)
+
+    @property
     def refine_mean(self) -> bool:
-        """REFINE_MEAN: LayerNorm's forward undoes the fp32 rounding of its mean on rows far from zero mean
-        (it adds the mean of h - mean there), for fp32 statistics (x not float64) on rows of fp32 precision
-        (x, a residual or x1 fp32). Half-precision rows carry at most 11 significant bits, so the fp32
-        mean's error stays far below their own rounding; float64 x has float64 statistics. The backward takes
-        the mean it is given."""
-        summed = [self.input_dtype] + [self.residual_dtype] * self.has_residual + [self.x1_dtype]
-        return (not self.backward and not self.rms and dtypes.compute_dtype(self.input_dtype) == "float32"
-                and "float32" in summed)
+        """REFINE_MEAN (see refines_mean): x fp32, or in the forward a residual or x1 that is. The backward
+        sums x - mean beside its row sums, and on rows far from zero mean takes the mean of xhat off xhat."""
+        summed = []
+        if not self.backward:
+            summed += [self.residual_dtype] if self.has_residual else []
+            summed += [self.x1_dtype] if self.x1_dtype is not None else []
+        return refines_mean(rms=self.rms, from_output=self.from_output, input_dtype=self.input_dtype,
+                            summed_dtypes=summed)
 
     @property
     def parallel(self) -> bool:
@@ -527,7 +543,7 @@ class Traits:
             "RMS": "true" if self.rms else "false",
             "HAS_RESIDUAL": "true" if self.has_residual else "false",
             "ZERO_CENTERED": "true" if self.zero_centered else "false",
-            "LATE_DGAMMA": "true" if self.late_dgamma else "false",
+            "LATE_DGAMMA": "true" if self.dgamma_after_reduction else "false",
             "REFINE_MEAN": "true" if self.refine_mean else "false",
             "ALIGNED_ROWS": "true" if self.aligned_rows else "false",
             "ROW_AXES": self.row_axes,

@@ -68,11 +68,20 @@ constexpr int SMEM_BYTES = ACC_BYTES + RowPipe<input_t>::BYTES + RowPipe<output_
                            RowWeights<bias_t, FROM_OUTPUT && HAS_BIAS>::BYTES + RowPipe<output_t, PARALLEL>::BYTES +
                            RowWeights<weight1_t, PARALLEL>::BYTES;
 static_assert(SMEM_BYTES == ${SMEM_BYTES}, "cunorm.Traits.smem_bytes disagrees with the kernel");
-constexpr int SUMS = RMS ? 1 : 2;  // row sums: [sum(g),] sum(g * xhat)
-// LayerNorm's dgamma column sums taken in the second loop, after the row reduction (fewer values live across
-// it): which calls take it is cunorm.Traits.late_dgamma's to say (fp32 x in aligned 16-byte rows, no branch).
+// Row sums: [sum(g),] sum(g * xhat) (at GX)[, REFINE_MEAN's sum(x - mean) (at CENTRED)]. REFINE_MEAN (see
+// norm_traits.cuh): the mean given is the forward's rounded to fp32, off the row's by up to |mean| * 2^-24,
+// which moves every xhat by delta, the mean of xhat. Its sum rides in the reduction the row takes anyway; on
+// rows far from zero mean delta then comes off xhat: in dx through the row's constants, in dgamma's column
+// sums, which such kernels take after the reduction (LATE_DGAMMA).
+enum : int { GX = RMS ? 0 : 1, CENTRED = GX + 1 };
+constexpr int SUMS = CENTRED + (REFINE_MEAN ? 1 : 0);
+static_assert(!REFINE_MEAN || !FROM_OUTPUT, "REFINE_MEAN: xhat from x and the mean");
+// LayerNorm's dgamma column sums taken in the second loop, after the row reduction: fewer values live across
+// it (cunorm.Traits.late_dgamma: fp32 x in aligned 16-byte rows, no branch), or REFINE_MEAN's, whose xhat is
+// known only then (cunorm.Traits.dgamma_after_reduction).
 constexpr bool LATE_DGAMMA = ${LATE_DGAMMA};
-static_assert(!LATE_DGAMMA || (!RMS && !FROM_OUTPUT && ALIGNED_ROWS), "LATE_DGAMMA: LayerNorm's xhat from x");
+static_assert(!LATE_DGAMMA || (!RMS && !FROM_OUTPUT), "LATE_DGAMMA: LayerNorm's xhat from x");
+static_assert(!REFINE_MEAN || LATE_DGAMMA, "REFINE_MEAN's dgamma needs the row's delta");
 
 // This thread's column sums for one quantity.
 template <bool IN_SMEM>
@@ -345,7 +354,7 @@ norm_bwd(const output_t* dy, const input_t* x, const residual_t* dresidual,
     if constexpr (PARALLEL) dy1s.read(stage, row, dy1v, at);
     const compute_t rs = row_ok ? rstd[row] : compute_t(0);
     const compute_t mu = (RMS || FROM_OUTPUT || !row_ok) ? compute_t(0) : mean[row];  // exact when |mu| >> std
-    mask_row(xv, at);
+    mask_row<REFINE_MEAN>(xv, at, mu);  // REFINE_MEAN: lanes outside the row add nothing to sum(x - mu)
     mask_row(dyv, at);
     if constexpr (PARALLEL) mask_row(dy1v, at);
     // g = dy * gamma (+ dy1 * gamma1) of element e of LDG step `it` (d: dy there; wv, w1v: the weights'
@@ -370,7 +379,9 @@ norm_bwd(const output_t* dy, const input_t* x, const residual_t* dresidual,
         const compute_t d = dyv[it].get(e);
         const compute_t g = g_of(it, e, d, wv, w1v);
         if constexpr (!RMS) sums[0] += g;
-        sums[SUMS - 1] = cn_fma(g, xhat, sums[SUMS - 1]);
+        sums[GX] = cn_fma(g, xhat, sums[GX]);
+        // (whole vectors outside the row hold zeros, not mu)
+        if constexpr (REFINE_MEAN) if (at.in_row(it)) sums[CENTRED] += compute_t(xv[it].get(e)) - mu;
         if constexpr (!LATE_DGAMMA) dg.add(e, d * xhat);
         db.add(e, d);
         if constexpr (PARALLEL) {
@@ -396,8 +407,18 @@ norm_bwd(const output_t* dy, const input_t* x, const residual_t* dresidual,
       }
     }
     reducer.allreduce(sums, at);
+    // REFINE_MEAN: delta = mean(xhat) on rows far from zero mean (not NaN rows, nor rows past the end); the
+    // true xhat is xhat - delta, so sum(g * xhat) loses delta * sum(g) and b gains -c * delta.
+    bool refined = false;
+    compute_t delta = 0;
+    if constexpr (REFINE_MEAN) {
+      refined = fabs(mu) * rs >= REFINE_MIN_OFFSET;
+      if (refined) delta = sums[CENTRED] * rs * inv_cols;
+    }
+    const compute_t sum_gx = refined ? cn_fma(-delta, sums[0], sums[GX]) : sums[GX];
     // dx = rs * (g - mean(g) - xhat * mean(g * xhat)) = a * g + c * xhat + b (b = 0 for RMSNorm)
-    const compute_t a = rs, b = RMS ? compute_t(0) : -rs * sums[0] * inv_cols, c = -rs * sums[SUMS - 1] * inv_cols;
+    const compute_t a = rs, plain_b = RMS ? compute_t(0) : -rs * sums[0] * inv_cols, c = -rs * sum_gx * inv_cols;
+    const compute_t b = refined ? cn_fma(-c, delta, plain_b) : plain_b;
 
     if (row_ok) {
       ResVec dres[LDGS];  // unused (and optimized away) without a residual
@@ -417,9 +438,9 @@ norm_bwd(const output_t* dy, const input_t* x, const residual_t* dresidual,
             const compute_t g = g_of(it, e, dyv[it].get(e), wv, w1v);
             out[e] = ZERO_XHAT ? compute_t(0) : cn_fma(a, g, cn_fma(c, xhat, b));
             if constexpr (HAS_RESIDUAL) out[e] += dres[it].get(e);
-            if constexpr (LATE_DGAMMA) {
-              dg.add(e, compute_t(dyv[it].get(e)) * xhat);
-              if constexpr (PARALLEL) dg1.add(e, compute_t(dy1v[it].get(e)) * xhat);
+            if constexpr (LATE_DGAMMA) {  // (the true xhat: REFINE_MEAN's delta off)
+              dg.add(e, compute_t(dyv[it].get(e)) * (xhat - delta));
+              if constexpr (PARALLEL) dg1.add(e, compute_t(dy1v[it].get(e)) * (xhat - delta));
             }
           }
           if (LATE_DGAMMA && HAS_WEIGHT) dgamma_acc.put(it, dg);

@@ -25,11 +25,12 @@ constexpr bool HAS_WEIGHT = ${HAS_WEIGHT};
 constexpr bool HAS_BIAS = ${HAS_BIAS};
 constexpr bool HAS_RESIDUAL = ${HAS_RESIDUAL};    // forward: residual added; backward: dresidual added
 constexpr bool ZERO_CENTERED = ${ZERO_CENTERED};  // the weight multiplies as (1 + gamma)
-// LayerNorm forwards of rows of fp32 precision (x, or what is summed into it, fp32): the fp32 mean's error (its
-// sum's rounding and its own, a few ulps of |mean|: xhat's error in units of the std) is undone on rows whose
-// mean lies REFINE_MIN_OFFSET standard deviations or more from zero: such rows' groups take one more row
-// reduction, of h - mean. On the others it stays within a few ulps of 4 std. Half-precision rows carry too
-// few bits for it to matter.
+// LayerNorm rows of fp32 precision (x, or in the forward what is summed into it, fp32): the fp32 mean's error
+// (its sum's rounding and its own, a few ulps of |mean|: xhat's error in units of the std) is undone on rows
+// whose mean lies REFINE_MIN_OFFSET standard deviations or more from zero. The forward's such rows' groups take
+// one more row reduction, of h - mean; the backward, given the mean rounded to fp32, sums x - mean beside its
+// other row sums and takes the mean of xhat off xhat. On the other rows the error stays within a few ulps of
+// 4 std. Half-precision rows carry too few bits for it to matter.
 constexpr bool REFINE_MEAN = ${REFINE_MEAN};
 constexpr float REFINE_MIN_OFFSET = 4.f;
 // Every row starts on a vector boundary and is whole vectors long. Otherwise
@@ -264,16 +265,20 @@ __device__ __forceinline__ bool whole(int it, const Coords& at) {
 // kernel, edge warps): RowPipe::read reads whole vectors across a row's ends.
 // Called once every read of the row has been issued, since it waits for the
 // data: an edge warp then waits for memory once, as the other warps do.
-template <typename V>
-__device__ __forceinline__ void mask_row(V (&v)[LDGS], const Coords& at) {
+// FILL: those lanes get `fill` instead (the backward's REFINE_MEAN: its mean).
+template <bool FILL = false, typename V>
+__device__ __forceinline__ void mask_row(V (&v)[LDGS], const Coords& at, compute_t fill = 0) {
   if constexpr (!ALIGNED_ROWS) {
     if (!at.edge) return;
 #pragma unroll
     for (int it = 0; it < LDGS; ++it) {
       if (!may_be_partial(it) || at.full(it)) continue;
 #pragma unroll
-      for (int e = 0; e < V::ELTS; ++e)
-        if (!at.valid(it, e)) v[it].set_raw_zero(e);
+      for (int e = 0; e < V::ELTS; ++e) {
+        if (at.valid(it, e)) continue;
+        if constexpr (FILL) v[it].set(e, fill);
+        else v[it].set_raw_zero(e);
+      }
     }
   }
 }

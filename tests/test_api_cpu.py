@@ -69,9 +69,9 @@ def test_numpy_rows_at_the_ends_of_the_range(rng):
 
 
 def test_numpy_rows_of_mean_1e4_within_1e_5(rng):
-    """The numpy path (float64 statistics, so not the kernels' refinement) on fp32 rows of mean 1e4 and std 1,
-    with and without an fp32 residual: y within 1e-5 of float64, mean returned as fp32; a row of one value
-    gives y = bias exactly."""
+    """The numpy path on fp32 rows of mean 1e4 and std 1, with and without an fp32 residual: y from the
+    float64 statistics, then the backward from the forward's fp32 mean and rstd (whose rounding it undoes,
+    as the kernels do), every gradient within 1e-5 of float64; a row of one value gives y = bias exactly."""
     def rel_l2(got, want):
         got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
         return np.linalg.norm(got - want) / np.linalg.norm(want) if np.isfinite(got).all() else np.inf
@@ -80,12 +80,20 @@ def test_numpy_rows_of_mean_1e4_within_1e_5(rng):
     x = (1e4 * rng.choice([-1.0, 1.0], size=(m, 1)) + rng.standard_normal((m, n))).astype(np.float32)
     w = (1 + 0.5 * rng.standard_normal(n)).astype(np.float32)
     b = rng.standard_normal(n).astype(np.float32)
+    dy = rng.standard_normal((m, n)).astype(np.float32)
     for res in (None, rng.standard_normal((m, n)).astype(np.float32)):
         outs = cunorm.layer_norm(x, w, b, residual=res, return_stats=True)
-        y, mean = outs[0], outs[-2]
+        y, src, (mean, rstd) = (outs[0], x, outs[1:]) if res is None else (outs[0], outs[1], outs[2:])
         assert mean.dtype == np.float32
         h = x.astype(np.float64) + (0.0 if res is None else res)
-        assert rel_l2(y, reference.layer_norm(h, w, b, 1e-5)[0]) <= 1e-5
+        y_ref, mean_ref, rstd_ref = reference.layer_norm(h, w, b, 1e-5)
+        assert rel_l2(y, y_ref) <= 1e-5
+        # The backward normalizes what it is given: src (with a residual, h rounded to fp32, whose own
+        # statistics sit about 1e-5 from h's at N = 1024) with the rstd given; the mean's rounding it undoes.
+        grads = cunorm.layer_norm_backward(dy, src, mean, rstd, w)
+        mean_src = src.astype(np.float64).mean(axis=-1)
+        for got, want in zip(grads, reference.layer_norm_backward(dy, src, mean_src, rstd, w)):
+            assert rel_l2(got, want) <= 1e-5
     flat = np.full((2, n), 1e4 + 0.37, dtype=np.float32)
     np.testing.assert_array_equal(cunorm.layer_norm(flat, w, b), np.broadcast_to(b, (2, n)))
 

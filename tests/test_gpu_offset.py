@@ -1,7 +1,7 @@
-"""Tier C: LayerNorm forward statistics on rows far from zero mean (issue 16, item 2). The mean in fp32 is rounded
-by |mean| / std times fp32's epsilon of the std; fp32 rows (REFINE_MEAN) undo that rounding in the forward on
-rows whose mean lies 4 standard deviations or more from zero (the mean of h - mean is added), so that rows of
-mean 1e4 and std 1 normalize within 1e-5 of float64. The backward takes the mean it is given (not refined)."""
+"""Tier C: LayerNorm statistics on rows far from zero mean (issue 16, item 2). The mean in fp32 is rounded by
+|mean| / std times fp32's epsilon of the std; fp32 rows (REFINE_MEAN) undo that rounding in the forward (the
+mean of h - mean is added) and in the backward (the mean of (x - mean) * rstd), so that rows of mean 1e4 and
+std 1 normalize, and differentiate, within 1e-5 of float64."""
 import numpy as np
 import pytest
 
@@ -16,9 +16,9 @@ OFFSET_TOLERANCE = 1e-5
 @pytest.mark.parametrize("residual", [False, True])
 @pytest.mark.parametrize("n", [1024, 4096, 65537])
 def test_rows_of_mean_1e4_and_std_1_within_1e_5(n, residual, rng, poisoned):
-    """fp32 rows of mean 1e4 (drawn per row, of either sign) and std 1: y, mean and rstd of the forward, every
-    element against the float64 reference of the exact rows; with a residual, h = x + residual (both fp32)
-    is what is offset, and residual_out holds it rounded to fp32."""
+    """fp32 rows of mean 1e4 (drawn per row, of either sign) and std 1: y, mean and rstd of the forward, then
+    dx, dweight and dbias of the backward from the forward's own (fp32) statistics, every element against the
+    float64 reference of the exact rows; with a residual, h = x + residual (both fp32) is what is offset."""
     import cupy
 
     m = 48
@@ -27,7 +27,8 @@ def test_rows_of_mean_1e4_and_std_1_within_1e_5(n, residual, rng, poisoned):
     res = rng.standard_normal((m, n)).astype(np.float32) if residual else None
     w = (1 + 0.5 * rng.standard_normal(n)).astype(np.float32)
     b = rng.standard_normal(n).astype(np.float32)
-    xg, wg, bg = map(cupy.asarray, (x, w, b))
+    dy = rng.standard_normal((m, n)).astype(np.float32)
+    xg, wg, bg, dyg = map(cupy.asarray, (x, w, b, dy))
     kw = dict(residual=cupy.asarray(res), out=poisoned((m, n))) if residual else dict(out=poisoned((m, n)))
     outs = cunorm.layer_norm(xg, wg, bg, return_stats=True, **kw)
     y, h, mean, rstd = outs if residual else (outs[0], None, *outs[1:])
@@ -38,6 +39,14 @@ def test_rows_of_mean_1e4_and_std_1_within_1e_5(n, residual, rng, poisoned):
     assert check.rel_l2(mean, mean_ref) <= 2e-7 and check.rel_l2(rstd, rstd_ref) <= 1e-6
     if residual:
         assert cupy.array_equal(h, cupy.asarray(h32))
+
+    src = h if residual else xg
+    dres = cupy.asarray(rng.standard_normal((m, n)).astype(np.float32)) if residual else None
+    dx, dw, db = cunorm.layer_norm_backward(dyg, src, mean, rstd, wg, dresidual=dres, out=poisoned((m, n)))
+    refs = reference.layer_norm_backward(dy, cupy.asnumpy(src), mean_ref, rstd_ref, w,
+                                         dresidual=None if dres is None else cupy.asnumpy(dres))
+    for name, got, want in zip(("dx", "dweight", "dbias"), (dx, dw, db), refs):
+        assert check.rel_l2(got, want) <= OFFSET_TOLERANCE, name
 
 
 @pytest.mark.parametrize("n", [7, 1001, 1024, 4096, 65537])
@@ -66,27 +75,37 @@ def test_rows_of_one_value_give_the_bias_bit_for_bit(n, rng, poisoned):
 
 @pytest.mark.parametrize("n", [768, 1024, 1001, 4096])
 def test_offset_rows_beside_centred_rows_match_each_row_alone(n, rng, poisoned):
-    """Offset rows (mean 1e4) and centred rows mixed in one call (on the H100's table, CTAs of several rows of
-    several warps at 768 and 4096, which vote): every row's y, mean and rstd are bitwise those of the row
-    computed alone (the refinement of one row never changes its neighbours'), and y is within 1e-5 of
-    float64. Odd N (1001) in batch-invariant mode, which is where the README promises it."""
+    """Offset rows (mean 1e4) and centred rows mixed in one call, where CTAs hold several rows (768, 1024) or
+    rows of several warps: every row's y, mean, rstd and dx are bitwise those of the row computed alone (the
+    refinement of one row never changes its neighbours'), and within 1e-5 of float64. Odd N (1001) in
+    batch-invariant mode, which is where the README promises it."""
     import cupy
 
     was = cunorm.batch_invariant()
     cunorm.set_batch_invariant(n % 4 != 0)
     try:
-        m = 40
-        offset = rng.random((m, 1)) < 0.5
-        x = (np.where(offset, 1e4, 0.0) + rng.standard_normal((m, n))).astype(np.float32)
-        w = (1 + 0.5 * rng.standard_normal(n)).astype(np.float32)
-        b = rng.standard_normal(n).astype(np.float32)
-        xg, wg, bg = map(cupy.asarray, (x, w, b))
-        y, mean, rstd = cunorm.layer_norm(xg, wg, bg, return_stats=True, out=poisoned((m, n)))
-        y_ref = reference.layer_norm(x.astype(np.float64), w, b, 1e-5)[0]
-        assert check.rel_l2(y, y_ref) <= OFFSET_TOLERANCE
-        for i in range(m):
-            yi, mi, ri = cunorm.layer_norm(xg[i:i + 1], wg, bg, return_stats=True, out=poisoned((1, n)))
-            assert cupy.array_equal(yi, y[i:i + 1]) and cupy.array_equal(mi, mean[i:i + 1]), i
-            assert cupy.array_equal(ri, rstd[i:i + 1]), i
+        _offset_rows_beside_centred_rows(n, rng, cupy, poisoned)
     finally:
         cunorm.set_batch_invariant(was)
+
+
+def _offset_rows_beside_centred_rows(n, rng, cupy, poisoned):
+    m = 40
+    offset = rng.random((m, 1)) < 0.5
+    x = (np.where(offset, 1e4, 0.0) + rng.standard_normal((m, n))).astype(np.float32)
+    w = (1 + 0.5 * rng.standard_normal(n)).astype(np.float32)
+    b = rng.standard_normal(n).astype(np.float32)
+    dy = rng.standard_normal((m, n)).astype(np.float32)
+    xg, wg, bg, dyg = map(cupy.asarray, (x, w, b, dy))
+    y, mean, rstd = cunorm.layer_norm(xg, wg, bg, return_stats=True, out=poisoned((m, n)))
+    dx, dw, db = cunorm.layer_norm_backward(dyg, xg, mean, rstd, wg, out=poisoned((m, n)))
+    y_ref, mean_ref, rstd_ref = reference.layer_norm(x.astype(np.float64), w, b, 1e-5)
+    assert check.rel_l2(y, y_ref) <= OFFSET_TOLERANCE
+    refs = reference.layer_norm_backward(dy, x, mean_ref, rstd_ref, w)
+    for name, got, want in zip(("dx", "dweight", "dbias"), (dx, dw, db), refs):
+        assert check.rel_l2(got, want) <= OFFSET_TOLERANCE, name
+    for i in range(m):
+        yi, mi, ri = cunorm.layer_norm(xg[i:i + 1], wg, bg, return_stats=True, out=poisoned((1, n)))
+        dxi = cunorm.layer_norm_backward(dyg[i:i + 1], xg[i:i + 1], mi, ri, wg, out=poisoned((1, n)))[0]
+        assert cupy.array_equal(yi, y[i:i + 1]) and cupy.array_equal(mi, mean[i:i + 1]), i
+        assert cupy.array_equal(ri, rstd[i:i + 1]) and cupy.array_equal(dxi, dx[i:i + 1]), i

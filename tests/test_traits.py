@@ -313,9 +313,10 @@ def test_narrow_loads_aim_at_the_bytes_of_full_ones(n, dtype, elts, backward):
 
 
 def test_late_dgamma_is_fp32_layernorm_backward_of_short_aligned_rows_and_keeps_its_occupancy():
-    """LATE_DGAMMA (dgamma summed after the row reduction) holds for LayerNorm backwards of fp32 x in
-    aligned rows of up to 16 elements a thread, and nowhere else; dispatch then caps their registers at 128
-    (the CTAs an SM of 128 or 256 threads that the unmoved kernel has)."""
+    """late_dgamma (dgamma summed after the row reduction, for speed) holds for LayerNorm backwards of fp32 x
+    in aligned rows of up to 16 elements a thread, and nowhere else; dispatch then caps their registers at
+    128 (the CTAs an SM of 128 or 256 threads that the unmoved kernel has). The kernel's LATE_DGAMMA also
+    holds for every REFINE_MEAN backward (its xhat is known only after the reduction), without that cap."""
     for n in (768, 1024, 4096, 8192, 16384, 32768):
         t = dispatch.choose(hidden_size=n, input_dtype="float32", backward=True)[0]
         assert t.late_dgamma and t.template_values()["LATE_DGAMMA"] == "true"
@@ -327,7 +328,11 @@ def test_late_dgamma_is_fp32_layernorm_backward_of_short_aligned_rows_and_keeps_
                  dict(input_dtype="float32", backward=False), dict(input_dtype="float64", backward=True),
                  dict(input_dtype="float32", backward=True, hidden_size=4097)):  # 4097: general rows
         t = dispatch.choose(**{"hidden_size": 4096, **call})[0]
-        assert not t.late_dgamma and t.template_values()["LATE_DGAMMA"] == "false"
+        assert not t.late_dgamma and t.dgamma_after_reduction == (t.backward and t.refine_mean)
+        assert t.template_values()["LATE_DGAMMA"] == ("true" if t.dgamma_after_reduction else "false")
+    general = dispatch.choose(hidden_size=4097, input_dtype="float32", backward=True)[0]
+    assert general.refine_mean and general.template_values()["LATE_DGAMMA"] == "true"
+    assert general.min_ctas_per_sm == dispatch._late_dgamma_registers(general).min_ctas_per_sm  # no cap added
     plain = dispatch.choose(hidden_size=4096, input_dtype="float32", backward=True)[0]
     for changes in (dict(dropout=True, dx0_dtype="float32"), dict(rowscale_dtype="float32", dx0_dtype="float32"),
                     dict(dx1_dtype="float32", dropout=True, dx0_dtype="float32"), dict(bytes_per_ldg=4)):
@@ -433,16 +438,16 @@ def test_a_spilling_unstaged_pick_falls_back_to_the_staged_heuristic():
 
 
 def test_half_precision_rows_are_not_refined():
-    """bf16 and fp16 rows keep the unrefined forwards (they cannot hold offset data that needs it), fp32 x and
-    an fp32 residual beside bf16 x take the refined ones; RMSNorm, backwards and float64 x never do."""
+    """bf16 and fp16 rows keep the unrefined kernels (they cannot hold offset data that needs it), fp32 and
+    an fp32 residual beside bf16 x take the refined ones; RMSNorm, the backward from y and float64 x never do."""
     assert not Traits(hidden_size=4096, input_dtype="bfloat16").refine_mean
-    assert not Traits(hidden_size=4096, input_dtype="float16", has_residual=True, residual_dtype="float16").refine_mean
+    assert not Traits(hidden_size=4096, input_dtype="float16", backward=True).refine_mean
     assert Traits(hidden_size=4096, input_dtype="float32").refine_mean
+    assert Traits(hidden_size=4096, input_dtype="float32", backward=True).refine_mean
     assert Traits(hidden_size=4096, input_dtype="bfloat16", has_residual=True, residual_dtype="float32").refine_mean
     assert not Traits(hidden_size=4096, input_dtype="float32", rms=True).refine_mean
-    assert not Traits(hidden_size=4096, input_dtype="float32", backward=True).refine_mean
+    assert not Traits(hidden_size=4096, input_dtype="float32", backward=True, from_output=True).refine_mean
     assert not Traits(hidden_size=4096, input_dtype="float64").refine_mean
     # float64 x has float64 statistics, whatever is summed into it (REFINE_MEAN's static_assert refuses it)
     t = Traits(hidden_size=1000, input_dtype="float64", has_residual=True, residual_dtype="float32")
     assert not t.refine_mean and t.template_values()["REFINE_MEAN"] == "false"
-    assert Traits(hidden_size=4096, input_dtype="float32").template_values()["REFINE_MEAN"] == "true"

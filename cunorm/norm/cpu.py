@@ -3,6 +3,7 @@ on the CPU and return numpy arrays in the dtypes the GPU path would."""
 from __future__ import annotations
 
 from .. import dtypes, reference
+from ..traits import refines_mean
 from . import calls
 
 
@@ -58,6 +59,10 @@ def backward(args: dict, base: dict, rms: bool, branch=calls.NO_BRANCH, dx0_dtyp
     X, DY, W, DR, O = (args[k] for k in ("x", "dy", "weight", "dresidual", "out"))
     zc = base["zero_centered"]
     w_np, b_np = dtypes.numpy_dtype(base["weight_dtype"]), dtypes.numpy_dtype(base["bias_dtype"])
+    mean = _arr(args.get("mean"))
+    if mean is not None and refines_mean(rms=rms, from_output=bool(base.get("from_output")),
+                                         input_dtype=base["input_dtype"]):
+        mean = reference.refined_mean(X.array, mean)  # as the kernels: only the saved mean's rounding is undone
     if base.get("from_output"):  # X is the forward's output y
         dx, dw, db = reference.norm_backward_from_output(DY.array, X.array, args["rstd"].array, _arr(W),
                                                          _arr(args.get("bias")), rms=rms, dresidual=_arr(DR),
@@ -67,11 +72,11 @@ def backward(args: dict, base: dict, rms: bool, branch=calls.NO_BRANCH, dx0_dtyp
                                              zero_centered_weight=zc)
         db = reference.bias_grad(DY.array, _arr(W))
     else:
-        dx, dw, db = reference.layer_norm_backward(DY.array, X.array, args["mean"].array, args["rstd"].array,
+        dx, dw, db = reference.layer_norm_backward(DY.array, X.array, mean, args["rstd"].array,
                                                    _arr(W), dresidual=_arr(DR), zero_centered_weight=zc)
     seconds = []
     if args.get("weight1") is not None:  # the second output: its gradient joins g (dresidual counted once)
-        xhat = reference.recovered_xhat(X.array, args["rstd"].array, _arr(args.get("mean")),
+        xhat = reference.recovered_xhat(X.array, args["rstd"].array, mean,
                                         weight=_arr(W), bias=_arr(args.get("bias")),
                                         from_output=bool(base.get("from_output")), zero_centered_weight=zc)
         dx, dw, db, dw1, db1 = reference.parallel_backward(DY.array, args["dy1"].array, xhat, args["rstd"].array,

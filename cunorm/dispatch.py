@@ -36,6 +36,10 @@ SHARED_WARP_COST = 0.25  # several rows a warp (lanes_per_row < 32): a tie-break
 # A row's lanes moving less than a 128-byte line per load (4 lanes of 16 bytes): measured on q/k rows of 128
 # bf16, 4 lanes read 0.855 / 0.80 of copy on an H100 / H200 where 8 lanes read 0.872 / 0.834 (kernel time).
 PARTIAL_LINE_COST = 1.5
+# REFINE_MEAN's backward (fp32 LayerNorm) holds a third row sum and takes dgamma after its reduction: in CTAs of
+# more than 512 threads (72 registers a thread or fewer) it spills (65537 general rows: 24 bytes in 26 warps x 4
+# CTAs), so where a row takes such a last-resort shape it prefers more, narrower CTAs (13 warps x 8: no spill).
+REFINED_WIDE_CTA_COST = 1.5
 # Backwards of rows sharing warps, two loads a row or fewer, take 256-thread CTAs: N = 128 bf16 read 0.870 /
 # 0.881 of copy on an H100 / H200 with 8 warps a CTA, 0.844 / 0.863 with 4 (at four loads, N = 256, the two
 # were within 0.005 on an H100, and 8 warps leave no shared memory for staging).
@@ -189,7 +193,9 @@ def _late_dgamma_registers(t: Traits) -> Traits:
     take more registers than the CTAs an SM the staging budget assumes. Such kernels (up to 16 elements a
     thread) fit 128 registers of an SM's 65536 without spilling in the CTAs and dtypes below (the
     dispatched fp32 cases compiled on sm_90 and sm_80, in a review's enumeration of 2,791 kernels with
-    their dtype mixes and flags): the cap keeps that occupancy. It also applies to tuned entries."""
+    their dtype mixes and flags): the cap keeps that occupancy. It also applies to tuned entries. (Measured
+    before REFINE_MEAN's backward, version 43: some capped shapes now spill a few bytes, e.g. N = 1024 with
+    dresidual in 2 x 2 warps, 4 bytes; dispatch replaces a spilling tuned pick by the heuristic's.)"""
     held = ([t.output_dtype] + [t.weight_dtype] * t.has_weight + [t.bias_dtype] * t.has_bias
             + [t.weight1_dtype] * t.parallel + [t.residual_dtype] * t.has_residual)  # float64 ones: two words
     if (t.late_dgamma and all(dtypes.itemsize(d) <= 4 for d in held)
@@ -376,6 +382,7 @@ def heuristic(*, hidden_size: int, input_dtype: str, elts_per_ldg: int | None = 
             # elements per thread than fit without spilling.
             preferred = PREFERRED_ELTS_PER_THREAD[two_rows] // t.register_words
             cost += 20.0 * (warps_n > max_warps_n) + 40.0 * (t.elts_per_thread > preferred)
+            cost += REFINED_WIDE_CTA_COST * (backward and t.refine_mean and t.threads_per_cta > 512)
             if cost < best_cost:
                 best, best_cost = t, cost
     if best is None:

@@ -228,7 +228,7 @@ class Traits:
         that writes dx (fewer values live across the reduction; 0.5-1.5% faster at 8192-32768 on an H100,
         1.4% slower at 65536): fp32 x in aligned rows of 16-byte vectors, up to LATE_DGAMMA_MAX_ELTS a
         thread, xhat from x, no dropout, row scale or x1 (with those and narrower vectors its capped
-        kernels can spill: they keep the kernel as it was)."""
+        kernels can spill). dgamma_after_reduction adds REFINE_MEAN's backwards, without the register cap."""
         return (self.backward and not self.rms and not self.from_output and self.aligned_rows
                 and self.input_dtype == "float32" and self.elts_per_thread <= LATE_DGAMMA_MAX_ELTS
                 and self.elts_per_ldg == 4 and not self.branch and self.dx1_dtype is None)

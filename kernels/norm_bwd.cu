@@ -309,7 +309,8 @@ norm_bwd(const output_t* dy, const input_t* x, const residual_t* dresidual,
   ColumnSums<SMEM_ACCUMULATORS && PARALLEL> dgamma1_acc(acc_smem + 2 * ACC_SLOTS, at),
       dbeta1_acc(acc_smem + 3 * ACC_SLOTS, at);
   // Rows past the end (and columns past the row) arrive as zeros: g = 0
-  // there, so they add nothing to the row sums or the column sums.
+  // there, so they add nothing to the row sums or the column sums. (REFINE_MEAN: x holds the mean in the
+  // lanes outside a row, so that they add nothing to sum(x - mean) either.)
   unsigned char* next = smem + ACC_BYTES;
   RowPipe<input_t> xs(next, x, ldx, rows, at);
   next += xs.BYTES;
@@ -411,7 +412,7 @@ norm_bwd(const output_t* dy, const input_t* x, const residual_t* dresidual,
     // true xhat is xhat - delta, so sum(g * xhat) loses delta * sum(g) and b gains -c * delta.
     bool refined = false;
     compute_t delta = 0;
-    if constexpr (REFINE_MEAN) {
+    if constexpr (REFINE_MEAN && !ZERO_XHAT) {  // (a row of one element: xhat is 0 whatever the mean)
       refined = fabs(mu) * rs >= REFINE_MIN_OFFSET;
       if (refined) delta = sums[CENTRED] * rs * inv_cols;
     }

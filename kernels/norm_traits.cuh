@@ -261,11 +261,11 @@ __device__ __forceinline__ bool whole(int it, const Coords& at) {
   return EDGES && may_be_partial(it) ? at.full(it) : at.in_row(it);
 }
 
-// Zeros the lanes of this thread's vectors that lie outside the row (general
+// Zeros (FILL: sets to `fill`) the lanes of this thread's vectors that lie outside the row (general
 // kernel, edge warps): RowPipe::read reads whole vectors across a row's ends.
 // Called once every read of the row has been issued, since it waits for the
 // data: an edge warp then waits for memory once, as the other warps do.
-// FILL: those lanes get `fill` instead (the backward's REFINE_MEAN: its mean).
+// FILL: the backward's REFINE_MEAN fills x's with the row's mean.
 template <bool FILL = false, typename V>
 __device__ __forceinline__ void mask_row(V (&v)[LDGS], const Coords& at, compute_t fill = 0) {
   if constexpr (!ALIGNED_ROWS) {
@@ -405,7 +405,7 @@ struct RowPipe {
     }
   }
   // This thread's vectors of `row`, which `stage` holds (once its copies
-  // landed); lanes outside the row are zeroed by mask_row, not here.
+  // landed); lanes outside the row are masked by mask_row, not here.
   __device__ __forceinline__ void read(int stage, long long row, V (&v)[LDGS], const Coords& at) const {
     if constexpr (STAGES > 1) {
 #pragma unroll

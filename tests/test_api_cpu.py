@@ -80,7 +80,8 @@ def test_numpy_rows_of_mean_1e4_within_1e_5(rng):
     x = (1e4 * rng.choice([-1.0, 1.0], size=(m, 1)) + rng.standard_normal((m, n))).astype(np.float32)
     w = (1 + 0.5 * rng.standard_normal(n)).astype(np.float32)
     b = rng.standard_normal(n).astype(np.float32)
-    dy = rng.standard_normal((m, n)).astype(np.float32)
+    xhat = (x - x.mean(axis=-1, keepdims=True, dtype=np.float64)) / x.std(axis=-1, keepdims=True, dtype=np.float64)
+    dy = (xhat + 0.5 * rng.standard_normal((m, n))).astype(np.float32)  # mean(g * xhat) O(1): dx sees the mean
     for res in (None, rng.standard_normal((m, n)).astype(np.float32)):
         outs = cunorm.layer_norm(x, w, b, residual=res, return_stats=True)
         y, src, (mean, rstd) = (outs[0], x, outs[1:]) if res is None else (outs[0], outs[1], outs[2:])
@@ -96,6 +97,25 @@ def test_numpy_rows_of_mean_1e4_within_1e_5(rng):
             assert rel_l2(got, want) <= 1e-5
     flat = np.full((2, n), 1e4 + 0.37, dtype=np.float32)
     np.testing.assert_array_equal(cunorm.layer_norm(flat, w, b), np.broadcast_to(b, (2, n)))
+
+
+def test_numpy_backward_refines_only_rows_far_from_zero_mean(rng):
+    """The numpy backward takes a given mean as is on rows within 4 std of zero (as the kernels do): a mean of
+    0.5 on centred rows is used, not replaced by x's own; on a row 1e4 from zero it is."""
+    m, n = 4, 256
+    x = rng.standard_normal((m, n)).astype(np.float32)
+    x[3] += np.float32(1e4)
+    w = (1 + 0.5 * rng.standard_normal(n)).astype(np.float32)
+    dy = rng.standard_normal((m, n)).astype(np.float32)
+    mean = np.full(m, 0.5, np.float32)
+    mean[3] = np.float32(x[3].astype(np.float64).mean())
+    rstd = (1 / x.astype(np.float64).std(axis=-1)).astype(np.float32)
+    dx = cunorm.layer_norm_backward(dy, x, mean, rstd, w)[0]
+    given = reference.layer_norm_backward(dy, x, mean, rstd, w)[0]
+    own = reference.layer_norm_backward(dy, x, x.astype(np.float64).mean(axis=-1), rstd, w)[0]
+    np.testing.assert_allclose(dx[:3], given[:3], rtol=1e-5, atol=1e-6)
+    assert not np.allclose(dx[:3], own[:3], rtol=1e-3, atol=1e-3)  # the given mean 0.5 matters there
+    np.testing.assert_allclose(dx[3], own[3], rtol=1e-4, atol=1e-5)
 
 
 def test_numpy_bf16_and_out_dtype(rng):

@@ -332,7 +332,7 @@ def test_late_dgamma_is_fp32_layernorm_backward_of_short_aligned_rows_and_keeps_
         assert t.template_values()["LATE_DGAMMA"] == ("true" if t.dgamma_after_reduction else "false")
     general = dispatch.choose(hidden_size=4097, input_dtype="float32", backward=True)[0]
     assert general.refine_mean and general.template_values()["LATE_DGAMMA"] == "true"
-    assert general.min_ctas_per_sm == dispatch._late_dgamma_registers(general).min_ctas_per_sm  # no cap added
+    assert not general.late_dgamma  # so dispatch's late-dgamma register cap is not applied to it
     plain = dispatch.choose(hidden_size=4096, input_dtype="float32", backward=True)[0]
     for changes in (dict(dropout=True, dx0_dtype="float32"), dict(rowscale_dtype="float32", dx0_dtype="float32"),
                     dict(dx1_dtype="float32", dropout=True, dx0_dtype="float32"), dict(bytes_per_ldg=4)):
@@ -442,6 +442,7 @@ def test_half_precision_rows_are_not_refined():
     an fp32 residual beside bf16 x take the refined ones; RMSNorm, the backward from y and float64 x never do."""
     assert not Traits(hidden_size=4096, input_dtype="bfloat16").refine_mean
     assert not Traits(hidden_size=4096, input_dtype="float16", backward=True).refine_mean
+    assert not Traits(hidden_size=4096, input_dtype="float16", has_residual=True, residual_dtype="float16").refine_mean
     assert Traits(hidden_size=4096, input_dtype="float32").refine_mean
     assert Traits(hidden_size=4096, input_dtype="float32", backward=True).refine_mean
     assert Traits(hidden_size=4096, input_dtype="bfloat16", has_residual=True, residual_dtype="float32").refine_mean
@@ -451,3 +452,5 @@ def test_half_precision_rows_are_not_refined():
     # float64 x has float64 statistics, whatever is summed into it (REFINE_MEAN's static_assert refuses it)
     t = Traits(hidden_size=1000, input_dtype="float64", has_residual=True, residual_dtype="float32")
     assert not t.refine_mean and t.template_values()["REFINE_MEAN"] == "false"
+    assert Traits(hidden_size=4096, input_dtype="float32").template_values()["REFINE_MEAN"] == "true"
+    assert Traits(hidden_size=4096, input_dtype="float32", backward=True).template_values()["REFINE_MEAN"] == "true"

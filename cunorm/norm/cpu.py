@@ -62,7 +62,7 @@ def backward(args: dict, base: dict, rms: bool, branch=calls.NO_BRANCH, dx0_dtyp
     mean = _arr(args.get("mean"))
     if mean is not None and refines_mean(rms=rms, from_output=bool(base.get("from_output")),
                                          input_dtype=base["input_dtype"]):
-        mean = reference.refined_mean(X.array, mean)  # as the kernels: only the saved mean's rounding is undone
+        mean = reference.refined_mean(X.array, mean, args["rstd"].array)  # as the kernels (offset rows)
     if base.get("from_output"):  # X is the forward's output y
         dx, dw, db = reference.norm_backward_from_output(DY.array, X.array, args["rstd"].array, _arr(W),
                                                          _arr(args.get("bias")), rms=rms, dresidual=_arr(DR),

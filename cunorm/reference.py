@@ -122,13 +122,12 @@ def parallel_backward(dy, dy1, xhat, rstd, weight, weight1, *, rms: bool = False
     return dx, (dy * xhat).sum(axis=lead), dy.sum(axis=lead), (dy1 * xhat).sum(axis=lead), dy1.sum(axis=lead)
 
 
-REFINE_MIN_OFFSET = 4.0  # kernels/norm_traits.cuh's: rows this many std or more from zero mean are refined
-
-
 def refined_mean(x, mean, rstd):
     """`mean` (the forward's, rounded to fp32) with, on rows whose mean lies REFINE_MIN_OFFSET standard
     deviations or more from zero (|mean| * rstd), the mean of x - mean added in float64, which undoes that
     rounding; other rows keep the mean given. REFINE_MEAN's backward does the same in fp32."""
+    from .traits import REFINE_MIN_OFFSET
+
     x, mean, rstd = _f64(x), _f64(mean), _f64(rstd)
     with np.errstate(invalid="ignore", over="ignore"):
         offset = np.abs(mean) * rstd >= REFINE_MIN_OFFSET

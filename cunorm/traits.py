@@ -39,6 +39,7 @@ KNOB_DEFAULTS = dict(warps_m=1, warps_n=1, ctas_per_row=1, bytes_per_ldg=16, sta
                      min_ctas_per_sm=1, smem_accumulators=False, recompute=True, lanes_per_row=THREADS_PER_WARP,
                      persistent=True)
 LATE_DGAMMA_MAX_ELTS = 16  # see Traits.late_dgamma
+REFINE_MIN_OFFSET = 4.0  # REFINE_MEAN refines rows whose mean lies this many std or more from zero
 LANES_PER_ROW = (4, 8, 16, 32)  # lanes of a warp sharing a row: below 32, a warp holds several (short) rows
 # The backward's finalize kernel: warps per CTA (each sums a slice of the partial
 # rows) and columns per CTA (32 lanes x 4 neighbours, or 1 when N % 4 != 0).
@@ -545,6 +546,7 @@ class Traits:
             "ZERO_CENTERED": "true" if self.zero_centered else "false",
             "LATE_DGAMMA": "true" if self.dgamma_after_reduction else "false",
             "REFINE_MEAN": "true" if self.refine_mean else "false",
+            "REFINE_MIN_OFFSET": f"{REFINE_MIN_OFFSET!r}f",
             "ALIGNED_ROWS": "true" if self.aligned_rows else "false",
             "ROW_AXES": self.row_axes,
             "PER_HEAD": int(self.per_head),

@@ -32,7 +32,7 @@ constexpr bool ZERO_CENTERED = ${ZERO_CENTERED};  // the weight multiplies as (1
 // other row sums and takes the mean of xhat off xhat. On the other rows the error stays within a few ulps of
 // 4 std. Half-precision rows carry too few bits for it to matter.
 constexpr bool REFINE_MEAN = ${REFINE_MEAN};
-constexpr float REFINE_MIN_OFFSET = 4.f;
+constexpr float REFINE_MIN_OFFSET = ${REFINE_MIN_OFFSET};
 // Every row starts on a vector boundary and is whole vectors long. Otherwise
 // (the general kernel) a row is read in the aligned frame around it: vector v
 // of a row covers the elements [v * E - shift, (v + 1) * E - shift), where

@@ -121,6 +121,58 @@ def _offset_rows_beside_centred_rows(n, rng, cupy, poisoned):
         assert cupy.array_equal(ri, rstd[i:i + 1]) and cupy.array_equal(dxi, dx[i:i + 1]), i
 
 
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("n", [768, 1024, 4096, 65536, 65537])
+def test_centred_rows_keep_their_bits_beside_a_few_offset_rows(n, residual, rng, poisoned):
+    """Only CTAs that walk an offset row run the backward's refined row loop. Many rows a CTA, a few of them
+    offset: each centred row's dx is bitwise what it is in the same call with every row centred (where every
+    CTA runs the plain loop), and each offset row's dx what it is alone; dx, dweight and dbias within 1e-5 of
+    float64. Odd N in batch-invariant mode, where the README promises a row's bits alone and in a batch."""
+    import cupy
+
+    was = cunorm.batch_invariant()
+    cunorm.set_batch_invariant(n % 4 != 0)
+    try:
+        _centred_rows_beside_a_few_offset_rows(n, residual, rng, cupy, poisoned)
+    finally:
+        cunorm.set_batch_invariant(was)
+
+
+def _centred_rows_beside_a_few_offset_rows(n, residual, rng, cupy, poisoned):
+    m = 2048 if n <= 4096 else 160
+    offset = np.zeros((m, 1), dtype=bool)
+    offset[rng.choice(m, size=max(2, m // 100), replace=False)] = True
+    centred = rng.standard_normal((m, n))
+    x = (np.where(offset, 1e4, 0.0) + centred).astype(np.float32)
+    x_plain = np.where(offset, rng.standard_normal((m, n)), centred).astype(np.float32)
+    w = (1 + 0.5 * rng.standard_normal(n)).astype(np.float32)
+    b = rng.standard_normal(n).astype(np.float32)
+    dy = cupy.asarray(_dy_along_xhat(x.astype(np.float64), rng))
+    dres = cupy.asarray(rng.standard_normal((m, n)).astype(np.float32)) if residual else None
+    wg, bg = cupy.asarray(w), cupy.asarray(b)
+    grads = {}
+    for name, rows in (("mixed", x), ("plain", x_plain)):
+        xg = cupy.asarray(rows)
+        _, mean, rstd = cunorm.layer_norm(xg, wg, bg, return_stats=True, out=poisoned((m, n)))
+        grads[name] = cunorm.layer_norm_backward(dy, xg, mean, rstd, wg, dresidual=dres, out=poisoned((m, n)))
+        if name == "mixed":
+            stats = mean, rstd
+    keep = ~offset[:, 0]
+    assert cupy.array_equal(grads["mixed"][0][keep], grads["plain"][0][keep])
+    mean, rstd = stats
+    xg = cupy.asarray(x)
+    for i in np.flatnonzero(offset[:, 0]):
+        one = slice(i, i + 1)
+        dxi = cunorm.layer_norm_backward(dy[one], xg[one], mean[one], rstd[one], wg,
+                                         dresidual=None if dres is None else dres[one], out=poisoned((1, n)))[0]
+        assert cupy.array_equal(dxi, grads["mixed"][0][one]), i
+    mean_ref, rstd_ref = reference.layer_norm(x.astype(np.float64), w, b, 1e-5)[1:]
+    refs = reference.layer_norm_backward(cupy.asnumpy(dy), x, mean_ref, rstd_ref, w,
+                                         dresidual=None if dres is None else cupy.asnumpy(dres))
+    for name, got, want in zip(("dx", "dweight", "dbias"), grads["mixed"], refs):
+        assert check.rel_l2(got, want) <= OFFSET_TOLERANCE, name
+
+
 @pytest.mark.parametrize("branch", ["x1", "dropout"])
 def test_offset_rows_with_x1_or_dropout_within_1e_5(branch, rng, poisoned):
     """The forward's branches on offset rows: h = x + x1 with x of mean 1e4 (the parallel block's second

@@ -153,7 +153,8 @@ def _fp8_results(case: Case, y, y_ref, got: list, scale, h, stats_ref) -> list:
 
 def _as_given(stats, dtype: str):
     """A forward's float64 statistics as the backward under test is given them: rounded to `dtype` (what a
-    forward returns), back in float64 for the reference, which then differentiates at the op's own inputs.
+    forward returns), back in float64 for the reference, which then differentiates at the op's own inputs
+    (fp32 LayerNorm rows far from zero mean: at the mean the op refines from them, reference.refined_mean).
     An fp32 mean is off by up to half an ulp of |mean|; beside a row's tiny spread (N = 2, two nearly equal
     values) the exact statistics would count that error of the inputs as the kernel's (dx 1.9e-5 against
     1e-5 in 5% of fresh draws of such a case)."""
@@ -239,7 +240,8 @@ def _run_backward(case: Case, rng, source=None) -> list:
         return [Result(case, f"{len(got)} results, not {len(names)}", float("inf"), 0.0)]
     ref_of = dict(zip(("dx", "dweight", "dbias"), refs))
     if dy1 is not None:  # the second output's gradient joins g: the float64 backward of both, from the same xhat
-        # The statistics each reference above takes: the op's (from y), or the exact ones.
+        # The statistics each reference above takes: the op's (from y), or the given ones (refined as the op
+        # refines them).
         src, stats = (y, (rstd,)) if case.from_output else (x, (rstd64,) if case.rms else (rstd64, mean64))
         xhat = reference.recovered_xhat(src, stats[0], stats[1] if len(stats) > 1 else None, weight=w, bias=b,
                                         from_output=case.from_output, zero_centered_weight=zc)

@@ -5,10 +5,22 @@
 # cunorm/shipped_tables/tuned-<GPU slug>.json (the name `cunorm list` shows in its first line), write it with
 # `python scripts/table_ab.py $OUT/table.json --keep ...` (a new table) or `--merge-into ...` (an existing one),
 # which keep only the entries measured faster than dispatch without them.
-# Resumable: run it again after an interruption; BUDGET=SECONDS stops it cleanly.
+# Then the general rows (odd N, offset views) beside the sizes most used: each key N + 1 fills the general-rows
+# entry of its aligned neighbour, which such rows take before any aligned entry (aligned entries often do not
+# fit the general kernel: PERFORMANCE.md versions 44-45). GENERAL_SIZES='' skips them.
+# Resumable: run it again after an interruption; BUDGET=SECONDS stops it cleanly (each pass gets it).
 set -u -o pipefail
 OUT=${OUT:-$PWD/gpu-results}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 sizes=$(python3 -c "from cunorm import dispatch; print(','.join(map(str, dispatch.TUNED_SIZES)))")
 python3 -m cunorm.tune --sizes "${SIZES:-$sizes}" --ops fwd,bwd,rms,rms-bwd --residual both --dtypes bf16,fp32 \
   ${BUDGET:+--budget "$BUDGET"} --output "$OUT/table.json" --json 2> "$OUT/tune.txt" | tee "$OUT/tune.jsonl"
+status=$?
+general=${GENERAL_SIZES-1025,4097,8193,16385,32769,65537}
+left=${BUDGET:+$((BUDGET - SECONDS))}  # the general pass gets what the aligned one left of BUDGET
+if [ -n "$general" ] && [ "${left:-1}" -gt 0 ]; then
+  python3 -m cunorm.tune --sizes "$general" --ops fwd,bwd,rms,rms-bwd --residual both --dtypes bf16,fp32 \
+    ${left:+--budget "$left"} --output "$OUT/table.json" --json 2>> "$OUT/tune.txt" | tee -a "$OUT/tune.jsonl"
+  status=$((status | $?))
+fi
+exit $status

@@ -134,6 +134,16 @@ def refined_mean(x, mean, rstd):
         return np.where(offset, mean + (x - mean[..., None]).mean(axis=-1), mean)
 
 
+def backward_mean(x, mean, rstd, *, input_dtype: str, rms: bool = False, from_output: bool = False):
+    """The mean a backward of `input_dtype` rows differentiates at, as the kernels do: `mean` given, refined
+    (refined_mean) where they refine it (cunorm.traits.refines_mean: fp32 LayerNorm rows from x)."""
+    from .traits import refines_mean
+
+    if mean is None or not refines_mean(rms=rms, from_output=from_output, input_dtype=input_dtype):
+        return mean
+    return refined_mean(x, mean, rstd)
+
+
 def recovered_xhat(x, rstd=None, mean=None, *, weight=None, bias=None, from_output: bool = False,
                    zero_centered_weight: bool = False):
     """xhat in float64 as a backward recovers it: (x - mean) * rstd (mean None: RMSNorm's x * rstd), or,

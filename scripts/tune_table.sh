@@ -12,15 +12,18 @@
 set -u -o pipefail
 OUT=${OUT:-$PWD/gpu-results}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+tune_pass() {  # tune_pass SIZES [BUDGET]: every op, both residual variants, 2- and 4-byte inputs
+  python3 -m cunorm.tune --sizes "$1" --ops fwd,bwd,rms,rms-bwd --residual both --dtypes bf16,fp32 \
+    ${2:+--budget "$2"} --output "$OUT/table.json" --json 2>> "$OUT/tune.txt" | tee -a "$OUT/tune.jsonl"
+}
+: > "$OUT/tune.txt"; : > "$OUT/tune.jsonl"
 sizes=$(python3 -c "from cunorm import dispatch; print(','.join(map(str, dispatch.TUNED_SIZES)))")
-python3 -m cunorm.tune --sizes "${SIZES:-$sizes}" --ops fwd,bwd,rms,rms-bwd --residual both --dtypes bf16,fp32 \
-  ${BUDGET:+--budget "$BUDGET"} --output "$OUT/table.json" --json 2> "$OUT/tune.txt" | tee "$OUT/tune.jsonl"
+tune_pass "${SIZES:-$sizes}" "${BUDGET:-}"
 status=$?
 general=${GENERAL_SIZES-1025,4097,8193,16385,32769,65537}
 left=${BUDGET:+$((BUDGET - SECONDS))}  # the general pass gets what the aligned one left of BUDGET
 if [ -n "$general" ] && [ "${left:-1}" -gt 0 ]; then
-  python3 -m cunorm.tune --sizes "$general" --ops fwd,bwd,rms,rms-bwd --residual both --dtypes bf16,fp32 \
-    ${left:+--budget "$left"} --output "$OUT/table.json" --json 2>> "$OUT/tune.txt" | tee -a "$OUT/tune.jsonl"
+  tune_pass "$general" "$left"
   status=$((status | $?))
 fi
 exit $status

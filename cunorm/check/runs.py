@@ -4,7 +4,6 @@ from __future__ import annotations
 import numpy as np
 
 from .. import dtypes, reference
-from ..traits import refines_mean
 from ..sweeps import NORM_OPS, Case
 from .compare import (FP8_BITWISE_SHARE, TOLERANCE, Result, delta_scale, delta_tolerance, dx_scale_of, fp8_ulps,
                       rel_l2, tolerance)
@@ -154,7 +153,7 @@ def _fp8_results(case: Case, y, y_ref, got: list, scale, h, stats_ref) -> list:
 def _as_given(stats, dtype: str):
     """A forward's float64 statistics as the backward under test is given them: rounded to `dtype` (what a
     forward returns), back in float64 for the reference, which then differentiates at the op's own inputs
-    (fp32 LayerNorm rows far from zero mean: at the mean the op refines from them, reference.refined_mean).
+    (fp32 LayerNorm rows far from zero mean: at the mean the op refines from them, reference.backward_mean).
     An fp32 mean is off by up to half an ulp of |mean|; beside a row's tiny spread (N = 2, two nearly equal
     values) the exact statistics would count that error of the inputs as the kernel's (dx 1.9e-5 against
     1e-5 in 5% of fresh draws of such a case)."""
@@ -223,10 +222,9 @@ def _run_backward(case: Case, rng, source=None) -> list:
         _, mean64, rstd64 = reference.layer_norm(x, w, None, eps, zero_centered_weight=zc)
         mean64, rstd64 = _as_given(mean64, stats_dtype), _as_given(rstd64, stats_dtype)
         mean, rstd = cupy.asarray(mean64, dtype=stats_dtype), cupy.asarray(rstd64, dtype=stats_dtype)
-        if refines_mean(rms=False, from_output=False, input_dtype=case.dtype):
-            # fp32 rows: the op takes the given mean's rounding off on rows far from zero mean (REFINE_MEAN),
-            # which N = 2 rows of two nearly equal values are; the reference differentiates where the op does.
-            mean64 = reference.refined_mean(x, mean64, rstd64)
+        # fp32 rows: the op takes the given mean's rounding off on rows far from zero mean (REFINE_MEAN),
+        # which N = 2 rows of two nearly equal values are; the reference differentiates where the op does.
+        mean64 = reference.backward_mean(x, mean64, rstd64, input_dtype=case.dtype)
         refs = reference.layer_norm_backward(dy, x, mean64, rstd64, w, dresidual=dres, zero_centered_weight=zc)
         dx_scale = dx_scale_of(dy, w, zc, rstd)  # before the call: dx may be written over dy
         with poisoned_allocations():

@@ -3,7 +3,6 @@ on the CPU and return numpy arrays in the dtypes the GPU path would."""
 from __future__ import annotations
 
 from .. import dtypes, reference
-from ..traits import refines_mean
 from . import calls
 
 
@@ -60,9 +59,8 @@ def backward(args: dict, base: dict, rms: bool, branch=calls.NO_BRANCH, dx0_dtyp
     zc = base["zero_centered"]
     w_np, b_np = dtypes.numpy_dtype(base["weight_dtype"]), dtypes.numpy_dtype(base["bias_dtype"])
     mean = _arr(args.get("mean"))
-    if mean is not None and refines_mean(rms=rms, from_output=bool(base.get("from_output")),
-                                         input_dtype=base["input_dtype"]):
-        mean = reference.refined_mean(X.array, mean, args["rstd"].array)  # as the kernels (offset rows)
+    mean = reference.backward_mean(X.array, mean, args["rstd"].array, input_dtype=base["input_dtype"], rms=rms,
+                                   from_output=bool(base.get("from_output")))  # refined on offset rows
     if base.get("from_output"):  # X is the forward's output y
         dx, dw, db = reference.norm_backward_from_output(DY.array, X.array, args["rstd"].array, _arr(W),
                                                          _arr(args.get("bias")), rms=rms, dresidual=_arr(DR),

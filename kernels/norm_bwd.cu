@@ -249,6 +249,20 @@ __device__ __forceinline__ void finalize_across_grid(unsigned* ticket, int parts
   if (threadIdx.x == 0 && atomicAdd(ticket, 1u) == 2 * gridDim.x - 1) *ticket = 0u;  // every CTA is past the wait
 }
 
+// REFINE_MEAN: whether any row this CTA walks (for_each_row's) lies far enough from zero mean to be refined,
+// by the test the row loop applies to each row. A cluster's CTAs walk the same rows and agree.
+__device__ __forceinline__ bool walks_offset_rows(const compute_t* mean, const compute_t* rstd, long long rows,
+                                                  const Coords& at) {
+  const long long stride = at.groups * ROWS_PER_CTA;
+  bool offset = false;
+  for (long long i = threadIdx.x;; i += THREADS_PER_CTA) {  // the CTA's rows in increasing order
+    const long long row = at.group * ROWS_PER_CTA + i / ROWS_PER_CTA * stride + i % ROWS_PER_CTA;
+    if (row >= rows) break;
+    offset |= fabs(mean[row]) * rstd[row] >= REFINE_MIN_OFFSET;
+  }
+  return __syncthreads_or(offset);
+}
+
 // Row tensors (dy, x, dresidual, dx) may alias one another (in place) and so
 // are not __restrict__.
 extern "C" __global__ void __launch_bounds__(THREADS_PER_CTA, MIN_CTAS_PER_SM) CN_CLUSTER_DIMS
@@ -346,139 +360,157 @@ norm_bwd(const output_t* dy, const input_t* x, const residual_t* dresidual,
 
   constexpr compute_t inv_cols = compute_t(1) / compute_t(COLS);
   constexpr bool ZERO_XHAT = !RMS && COLS == 1;  // a row of one element normalizes to 0
-  for_each_row(rows, at, [&](long long row, bool row_ok, int stage) {
-    InVec xv[LDGS];
-    GradVec dyv[LDGS];
-    GradVec dy1v[LDGS];  // unused without a second output
-    xs.read(stage, row, xv, at);
-    dys.read(stage, row, dyv, at);
-    if constexpr (PARALLEL) dy1s.read(stage, row, dy1v, at);
-    const compute_t rs = row_ok ? rstd[row] : compute_t(0);
-    const compute_t mu = (RMS || FROM_OUTPUT || !row_ok) ? compute_t(0) : mean[row];  // exact when |mu| >> std
-    mask_row<REFINE_MEAN>(xv, at, mu);  // REFINE_MEAN: lanes outside the row add nothing to sum(x - mu)
-    mask_row(dyv, at);
-    if constexpr (PARALLEL) mask_row(dy1v, at);
-    // g = dy * gamma (+ dy1 * gamma1) of element e of LDG step `it` (d: dy there; wv, w1v: the weights'
-    // vectors there).
-    auto g_of = [&](int it, int e, compute_t d, const auto& wv, const auto& w1v) -> compute_t {
-      const compute_t g = HAS_WEIGHT ? d * scale_of(wv.get(e)) : d;
-      if constexpr (PARALLEL) return cn_fma(compute_t(dy1v[it].get(e)), scale_of(w1v.get(e)), g);
-      else return g;
-    };
+  // REFINE_MEAN gated per CTA (GATED): where rows span a cluster, with more than 16 elements a thread and
+  // registers to spare (threads x CTAs an SM <= 256), a CTA walks its rows in the refined loop only when one
+  // of them is offset (walks_offset_rows), else in a plain loop without sum(x - mean), dgamma taken early. A
+  // row's dx is the same bits in either loop (delta = 0 on rows not refined). Elsewhere the loop's second copy
+  // costs more than the sum it saves, or spills (PERFORMANCE.md, version 46).
+  constexpr bool GATED = REFINE_MEAN && !ZERO_XHAT && CTAS_PER_ROW > 1 && ELTS_PER_THREAD > 16 &&
+                         THREADS_PER_CTA * MIN_CTAS_PER_SM <= 256;
+  auto walk_rows = [&](auto refine) {  // refine: Flag<the refined loop>
+    constexpr bool REFINED_LOOP = decltype(refine)::value;
+    constexpr bool DGAMMA_LATE = GATED ? REFINED_LOOP : LATE_DGAMMA;
+    constexpr int ROW_SUMS = REFINED_LOOP ? SUMS : CENTRED;
+    for_each_row(rows, at, [&](long long row, bool row_ok, int stage) {
+      InVec xv[LDGS];
+      GradVec dyv[LDGS];
+      GradVec dy1v[LDGS];  // unused without a second output
+      xs.read(stage, row, xv, at);
+      dys.read(stage, row, dyv, at);
+      if constexpr (PARALLEL) dy1s.read(stage, row, dy1v, at);
+      const compute_t rs = row_ok ? rstd[row] : compute_t(0);
+      const compute_t mu = (RMS || FROM_OUTPUT || !row_ok) ? compute_t(0) : mean[row];  // exact when |mu| >> std
+      mask_row<REFINED_LOOP>(xv, at, mu);  // REFINE_MEAN: lanes outside the row add nothing to sum(x - mu)
+      mask_row(dyv, at);
+      if constexpr (PARALLEL) mask_row(dy1v, at);
+      // g = dy * gamma (+ dy1 * gamma1) of element e of LDG step `it` (d: dy there; wv, w1v: the weights'
+      // vectors there).
+      auto g_of = [&](int it, int e, compute_t d, const auto& wv, const auto& w1v) -> compute_t {
+        const compute_t g = HAS_WEIGHT ? d * scale_of(wv.get(e)) : d;
+        if constexpr (PARALLEL) return cn_fma(compute_t(dy1v[it].get(e)), scale_of(w1v.get(e)), g);
+        else return g;
+      };
 
-    compute_t sums[SUMS] = {};
-#pragma unroll
-    for (int it = 0; it < LDGS; ++it) {
-      const auto wv = w(it, at, row);
-      Vec<weight1_t, ELTS_PER_LDG> w1v;  // PARALLEL's (left unset and unused otherwise)
-      if constexpr (PARALLEL) w1v = w1(it, at, row);
-      AccVec dg = dgamma_acc.get(it), db = dbeta_acc.get(it);
-      AccVec dg1 = dgamma1_acc.get(it), db1 = dbeta1_acc.get(it);
-#pragma unroll
-      for (int e = 0; e < ELTS_PER_LDG; ++e) {
-        const compute_t xhat = ZERO_XHAT ? compute_t(0) : xhat_of(xv[it], wv, it, e, row, mu, rs);
-        const compute_t d = dyv[it].get(e);
-        const compute_t g = g_of(it, e, d, wv, w1v);
-        if constexpr (!RMS) sums[0] += g;
-        sums[GX] = cn_fma(g, xhat, sums[GX]);
-        // (whole vectors outside the row hold zeros, not mu)
-        if constexpr (REFINE_MEAN) if (at.in_row(it)) sums[CENTRED] += compute_t(xv[it].get(e)) - mu;
-        if constexpr (!LATE_DGAMMA) dg.add(e, d * xhat);
-        db.add(e, d);
-        if constexpr (PARALLEL) {
-          const compute_t d1 = dy1v[it].get(e);
-          if constexpr (!LATE_DGAMMA) dg1.add(e, d1 * xhat);
-          db1.add(e, d1);
-        }
-      }
-      if (HAS_WEIGHT && !LATE_DGAMMA) dgamma_acc.put(it, dg);
-      if (HAS_BIAS) dbeta_acc.put(it, db);
-      if (PARALLEL && !LATE_DGAMMA) dgamma1_acc.put(it, dg1);
-      if (HAS_BIAS1) dbeta1_acc.put(it, db1);
-    }
-    // RECOMPUTE: derive xhat and g again from the packed inputs below rather
-    // than keep fp32 copies live across the reduction (fewer registers, more
-    // instructions); otherwise the compiler keeps them.
-    if constexpr (RECOMPUTE) {
+      compute_t sums[ROW_SUMS] = {};
 #pragma unroll
       for (int it = 0; it < LDGS; ++it) {
-        xv[it].opaque();
-        dyv[it].opaque();
-        if constexpr (PARALLEL) dy1v[it].opaque();
+        const auto wv = w(it, at, row);
+        Vec<weight1_t, ELTS_PER_LDG> w1v;  // PARALLEL's (left unset and unused otherwise)
+        if constexpr (PARALLEL) w1v = w1(it, at, row);
+        AccVec dg = dgamma_acc.get(it), db = dbeta_acc.get(it);
+        AccVec dg1 = dgamma1_acc.get(it), db1 = dbeta1_acc.get(it);
+#pragma unroll
+        for (int e = 0; e < ELTS_PER_LDG; ++e) {
+          const compute_t xhat = ZERO_XHAT ? compute_t(0) : xhat_of(xv[it], wv, it, e, row, mu, rs);
+          const compute_t d = dyv[it].get(e);
+          const compute_t g = g_of(it, e, d, wv, w1v);
+          if constexpr (!RMS) sums[0] += g;
+          sums[GX] = cn_fma(g, xhat, sums[GX]);
+          // (whole vectors outside the row hold zeros, not mu)
+          if constexpr (REFINED_LOOP) if (at.in_row(it)) sums[CENTRED] += compute_t(xv[it].get(e)) - mu;
+          if constexpr (!DGAMMA_LATE) dg.add(e, d * xhat);
+          db.add(e, d);
+          if constexpr (PARALLEL) {
+            const compute_t d1 = dy1v[it].get(e);
+            if constexpr (!DGAMMA_LATE) dg1.add(e, d1 * xhat);
+            db1.add(e, d1);
+          }
+        }
+        if (HAS_WEIGHT && !DGAMMA_LATE) dgamma_acc.put(it, dg);
+        if (HAS_BIAS) dbeta_acc.put(it, db);
+        if (PARALLEL && !DGAMMA_LATE) dgamma1_acc.put(it, dg1);
+        if (HAS_BIAS1) dbeta1_acc.put(it, db1);
       }
-    }
-    reducer.allreduce(sums, at);
-    // REFINE_MEAN: delta = mean(xhat) on rows far from zero mean (not NaN rows, nor rows past the end); the
-    // true xhat is xhat - delta, so sum(g * xhat) loses delta * sum(g) and b gains -c * delta.
-    bool refined = false;
-    compute_t delta = 0;
-    if constexpr (REFINE_MEAN && !ZERO_XHAT) {  // (a row of one element: xhat is 0 whatever the mean)
-      refined = fabs(mu) * rs >= REFINE_MIN_OFFSET;
-      if (refined) delta = sums[CENTRED] * rs * inv_cols;
-    }
-    const compute_t sum_gx = refined ? cn_fma(-delta, sums[0], sums[GX]) : sums[GX];
-    // dx = rs * (g - mean(g) - xhat * mean(g * xhat)) = a * g + c * xhat + b (b = 0 for RMSNorm)
-    const compute_t a = rs, plain_b = RMS ? compute_t(0) : -rs * sums[0] * inv_cols, c = -rs * sum_gx * inv_cols;
-    const compute_t b = refined ? cn_fma(-c, delta, plain_b) : plain_b;
-
-    if (row_ok) {
-      ResVec dres[LDGS];  // unused (and optimized away) without a residual
-      if constexpr (HAS_RESIDUAL) drs.read(stage, row, dres, at);  // lanes outside the row are not stored: no mask
-      with_edges(at, [&](auto edges) {
+      // RECOMPUTE: derive xhat and g again from the packed inputs below rather
+      // than keep fp32 copies live across the reduction (fewer registers, more
+      // instructions); otherwise the compiler keeps them.
+      if constexpr (RECOMPUTE) {
 #pragma unroll
         for (int it = 0; it < LDGS; ++it) {
-          if (!at.in_row(it)) continue;
-          const auto wv = w(it, at, row);
-          Vec<weight1_t, ELTS_PER_LDG> w1v;
-          if constexpr (PARALLEL) w1v = w1(it, at, row);
-          compute_t out[ELTS_PER_LDG];
-          AccVec dg = dgamma_acc.get(it), dg1 = dgamma1_acc.get(it);  // LATE_DGAMMA's
+          xv[it].opaque();
+          dyv[it].opaque();
+          if constexpr (PARALLEL) dy1v[it].opaque();
+        }
+      }
+      reducer.allreduce(sums, at);
+      // REFINE_MEAN: delta = mean(xhat) on rows far from zero mean (not NaN rows, nor rows past the end); the
+      // true xhat is xhat - delta, so sum(g * xhat) loses delta * sum(g) and b gains -c * delta.
+      bool refined = false;
+      compute_t delta = 0;
+      if constexpr (REFINED_LOOP && !ZERO_XHAT) {  // (a row of one element: xhat is 0 whatever the mean)
+        refined = fabs(mu) * rs >= REFINE_MIN_OFFSET;
+        if (refined) delta = sums[CENTRED] * rs * inv_cols;
+      }
+      const compute_t sum_gx = refined ? cn_fma(-delta, sums[0], sums[GX]) : sums[GX];
+      // dx = rs * (g - mean(g) - xhat * mean(g * xhat)) = a * g + c * xhat + b (b = 0 for RMSNorm)
+      const compute_t a = rs, plain_b = RMS ? compute_t(0) : -rs * sums[0] * inv_cols, c = -rs * sum_gx * inv_cols;
+      const compute_t b = refined ? cn_fma(-c, delta, plain_b) : plain_b;
+
+      if (row_ok) {
+        ResVec dres[LDGS];  // unused (and optimized away) without a residual
+        if constexpr (HAS_RESIDUAL) drs.read(stage, row, dres, at);  // lanes outside the row are not stored: no mask
+        with_edges(at, [&](auto edges) {
 #pragma unroll
-          for (int e = 0; e < ELTS_PER_LDG; ++e) {
-            const compute_t xhat = ZERO_XHAT ? compute_t(0) : xhat_of(xv[it], wv, it, e, row, mu, rs);
-            const compute_t g = g_of(it, e, dyv[it].get(e), wv, w1v);
-            out[e] = ZERO_XHAT ? compute_t(0) : cn_fma(a, g, cn_fma(c, xhat, b));
-            if constexpr (HAS_RESIDUAL) out[e] += dres[it].get(e);
-            if constexpr (LATE_DGAMMA) {  // (the true xhat: REFINE_MEAN's delta off)
-              dg.add(e, compute_t(dyv[it].get(e)) * (xhat - delta));
-              if constexpr (PARALLEL) dg1.add(e, compute_t(dy1v[it].get(e)) * (xhat - delta));
+          for (int it = 0; it < LDGS; ++it) {
+            if (!at.in_row(it)) continue;
+            const auto wv = w(it, at, row);
+            Vec<weight1_t, ELTS_PER_LDG> w1v;
+            if constexpr (PARALLEL) w1v = w1(it, at, row);
+            compute_t out[ELTS_PER_LDG];
+            AccVec dg = dgamma_acc.get(it), dg1 = dgamma1_acc.get(it);  // LATE_DGAMMA's
+#pragma unroll
+            for (int e = 0; e < ELTS_PER_LDG; ++e) {
+              const compute_t xhat = ZERO_XHAT ? compute_t(0) : xhat_of(xv[it], wv, it, e, row, mu, rs);
+              const compute_t g = g_of(it, e, dyv[it].get(e), wv, w1v);
+              out[e] = ZERO_XHAT ? compute_t(0) : cn_fma(a, g, cn_fma(c, xhat, b));
+              if constexpr (HAS_RESIDUAL) out[e] += dres[it].get(e);
+              if constexpr (DGAMMA_LATE) {  // (the true xhat: REFINE_MEAN's delta off)
+                dg.add(e, compute_t(dyv[it].get(e)) * (xhat - delta));
+                if constexpr (PARALLEL) dg1.add(e, compute_t(dy1v[it].get(e)) * (xhat - delta));
+              }
             }
-          }
-          if (LATE_DGAMMA && HAS_WEIGHT) dgamma_acc.put(it, dg);
-          if (LATE_DGAMMA && PARALLEL) dgamma1_acc.put(it, dg1);
-          InVec o;
-          o.set_all(out);
-          store_vec<decltype(edges)::value>(o, at.frame(dx, row, lddx), it, at);
+            if (DGAMMA_LATE && HAS_WEIGHT) dgamma_acc.put(it, dg);
+            if (DGAMMA_LATE && PARALLEL) dgamma1_acc.put(it, dg1);
+            InVec o;
+            o.set_all(out);
+            store_vec<decltype(edges)::value>(o, at.frame(dx, row, lddx), it, at);
 #if CN_BRANCH
-          {
-            const unsigned keep =
-                DROPOUT ? cn_keep_bits<ELTS_PER_LDG>(row * COLS + at.column(it, 0), seed, drop_threshold) : ~0u;
-            const compute_t by = (DROPOUT ? keep_scale : compute_t(1)) *
-                                 (ROWSCALE ? compute_t(to_float(rowscale[row])) : compute_t(1));
-            compute_t out0[ELTS_PER_LDG];
+            {
+              const unsigned keep =
+                  DROPOUT ? cn_keep_bits<ELTS_PER_LDG>(row * COLS + at.column(it, 0), seed, drop_threshold) : ~0u;
+              const compute_t by = (DROPOUT ? keep_scale : compute_t(1)) *
+                                   (ROWSCALE ? compute_t(to_float(rowscale[row])) : compute_t(1));
+              compute_t out0[ELTS_PER_LDG];
 #pragma unroll
-            for (int e = 0; e < ELTS_PER_LDG; ++e) out0[e] = (keep >> e) & 1u ? out[e] * by : compute_t(0);
-            Vec<dx0_t, ELTS_PER_LDG> o0;
-            o0.set_all(out0);
-            store_vec<decltype(edges)::value>(o0, at.frame(dx0, row, lddx0), it, at);
-          }
+              for (int e = 0; e < ELTS_PER_LDG; ++e) out0[e] = (keep >> e) & 1u ? out[e] * by : compute_t(0);
+              Vec<dx0_t, ELTS_PER_LDG> o0;
+              o0.set_all(out0);
+              store_vec<decltype(edges)::value>(o0, at.frame(dx0, row, lddx0), it, at);
+            }
 #endif
 #if CN_DX1
-          {  // x1's gradient: its own keep mask (stream 1), no row scale
-            const unsigned keep1 =
-                cn_keep_bits<ELTS_PER_LDG, 1>(row * COLS + at.column(it, 0), seed, drop_threshold);
-            compute_t out1[ELTS_PER_LDG];
+            {  // x1's gradient: its own keep mask (stream 1), no row scale
+              const unsigned keep1 =
+                  cn_keep_bits<ELTS_PER_LDG, 1>(row * COLS + at.column(it, 0), seed, drop_threshold);
+              compute_t out1[ELTS_PER_LDG];
 #pragma unroll
-            for (int e = 0; e < ELTS_PER_LDG; ++e) out1[e] = (keep1 >> e) & 1u ? out[e] * keep_scale : compute_t(0);
-            Vec<dx1_t, ELTS_PER_LDG> o1;
-            o1.set_all(out1);
-            store_vec<decltype(edges)::value>(o1, at.frame(dx1, row, lddx1), it, at);
-          }
+              for (int e = 0; e < ELTS_PER_LDG; ++e) out1[e] = (keep1 >> e) & 1u ? out[e] * keep_scale : compute_t(0);
+              Vec<dx1_t, ELTS_PER_LDG> o1;
+              o1.set_all(out1);
+              store_vec<decltype(edges)::value>(o1, at.frame(dx1, row, lddx1), it, at);
+            }
 #endif
-        }
-      });
-    }
-  }, xs, dys, drs, dy1s);
+          }
+        });
+      }
+    }, xs, dys, drs, dy1s);
+  };
+  if constexpr (GATED) {
+    if (walks_offset_rows(mean, rstd, rows, at)) walk_rows(Flag<true>());
+    else walk_rows(Flag<false>());
+  } else {
+    walk_rows(Flag<REFINE_MEAN>());
+  }
 
   static_assert(!PARALLEL || !PER_HEAD, "");
   if constexpr (PER_HEAD && (HAS_WEIGHT || HAS_BIAS)) {

@@ -274,10 +274,11 @@ norm_fwd(const input_t* x, const residual_t* residual, const weight_t* __restric
     // row of one value is such a row: its deviations are equal and summed exactly, corr is their exact
     // quotient, and h - mean - corr is 0 (y = beta bit for bit), unless its squared deviations overflowed
     // (values past about 1e23): rows summed again above keep the first mean. A row of zeros (and a row past
-    // the end) counts as offset too: corr = 0 there, but its row group takes the extra reduction.
+    // the end) would pass the test (0 >= 0) for nothing (corr = 0 there): left out, so that padding rows do not
+    // send their row group through the extra reduction.
     compute_t corr = 0;
     if constexpr (REFINE_MEAN) {
-      const bool offset = cn_isfinite(sq[0]) &&
+      const bool offset = mean != compute_t(0) && cn_isfinite(sq[0]) &&
                           mean * mean * compute_t(COLS) >= REFINE_MIN_OFFSET * REFINE_MIN_OFFSET * sq[0];
       if (reducer.reduction_group_any(offset)) {
         compute_t dev[1] = {0};

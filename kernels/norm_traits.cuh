@@ -538,19 +538,21 @@ struct RowReducer {
   }
 
   // ROW_ONLY: the threads of other rows of the CTA need not take part (its barrier is the row's own warps').
-  template <bool ROW_ONLY = false>
-  __device__ __forceinline__ void allreduce(compute_t (&v)[K], const Coords& at) {
+  // J values (the first J of the scratch's K).
+  template <bool ROW_ONLY = false, int J>
+  __device__ __forceinline__ void allreduce(compute_t (&v)[J], const Coords& at) {
+    static_assert(J >= 1 && J <= K, "RowReducer::allreduce: 1 to K values");
 #pragma unroll
-    for (int k = 0; k < K; ++k) v[k] = combine_warp(v[k]);
+    for (int k = 0; k < J; ++k) v[k] = combine_warp(v[k]);
     if constexpr (WARPS_N > 1) {
       if (at.lane == 0) {
 #pragma unroll
-        for (int k = 0; k < K; ++k) warp_partials[parity][at.warp_m][at.warp_n][k] = v[k];
+        for (int k = 0; k < J; ++k) warp_partials[parity][at.warp_m][at.warp_n][k] = v[k];
       }
       if constexpr (ROW_ONLY && WARPS_M > 1) row_barrier(at.warp_m);
       else __syncthreads();
 #pragma unroll
-      for (int k = 0; k < K; ++k) {
+      for (int k = 0; k < J; ++k) {
         compute_t s = 0;
 #pragma unroll
         for (int w = 0; w < WARPS_N; ++w) s = combine(s, warp_partials[parity][at.warp_m][w][k]);
@@ -560,17 +562,17 @@ struct RowReducer {
     if constexpr (CTAS_PER_ROW > 1) {
       if (threadIdx.x == 0) {
 #pragma unroll
-        for (int k = 0; k < K; ++k) cta_partials[parity][k] = v[k];
+        for (int k = 0; k < J; ++k) cta_partials[parity][k] = v[k];
       }
       cluster_sync();
       // Each peer's values in pairs (one remote load for two; the scratch rows are padded to even K), added
       // rank by rank in the same order for every value.
-      compute_t s[K] = {};
+      compute_t s[J] = {};
 #pragma unroll
       for (int r = 0; r < CTAS_PER_ROW; ++r) {
 #pragma unroll
-        for (int k = 0; k < K; k += 2) {
-          if (k + 1 < K) {
+        for (int k = 0; k < J; k += 2) {
+          if (k + 1 < J) {
             compute_t a, b;
             load_cluster_shared_pair(&cta_partials[parity][k], r, a, b);
             s[k] = combine(s[k], a);
@@ -581,7 +583,7 @@ struct RowReducer {
         }
       }
 #pragma unroll
-      for (int k = 0; k < K; ++k) v[k] = s[k];
+      for (int k = 0; k < J; ++k) v[k] = s[k];
     }
     parity ^= 1;
   }

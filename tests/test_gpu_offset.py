@@ -22,7 +22,7 @@ def _dy_along_xhat(rows, rng):
 
 
 @pytest.mark.parametrize("residual", [False, True])
-@pytest.mark.parametrize("n", [1024, 4096, 65537])
+@pytest.mark.parametrize("n", [1024, 2048, 4096, 5120, 65536, 65537])
 def test_rows_of_mean_1e4_and_std_1_within_1e_5(n, residual, rng, poisoned):
     """fp32 rows of mean 1e4 (drawn per row, of either sign) and std 1: y, mean and rstd of the forward, then
     dx, dweight and dbias of the backward from the forward's own (fp32) statistics (dy along xhat), every
@@ -60,12 +60,15 @@ def test_rows_of_mean_1e4_and_std_1_within_1e_5(n, residual, rng, poisoned):
 
 @pytest.mark.parametrize("n", [7, 1001, 1024, 4096, 65537])
 def test_rows_of_one_value_give_the_bias_bit_for_bit(n, rng, poisoned):
-    """A row of one value (near 1e4, or small) has variance 0: y is beta exactly, mean is the value and rstd
-    1 / sqrt(eps); the backward (xhat = 0 there) matches float64 given those statistics."""
+    """A row of one value (near 1e4, small, or 0: the forward leaves rows of zeros out of its offset test) has
+    variance 0: y is beta exactly, mean is the value and rstd 1 / sqrt(eps); the backward (xhat = 0 there)
+    matches float64 given those statistics."""
     import cupy
 
     m = 33
-    values = np.where(rng.random((m, 1)) < 0.5, 1e4 + rng.uniform(-100, 100, (m, 1)), rng.standard_normal((m, 1)))
+    kind = rng.random((m, 1))
+    values = np.where(kind < 0.4, 1e4 + rng.uniform(-100, 100, (m, 1)), rng.standard_normal((m, 1)))
+    values[kind[:, 0] > 0.8] = 0.0
     x = np.broadcast_to(values, (m, n)).astype(np.float32)
     w = (1 + 0.5 * rng.standard_normal(n)).astype(np.float32)
     b = rng.standard_normal(n).astype(np.float32)

@@ -5,8 +5,10 @@
 Collects the tests once (`-m gpu` by default), cuts the list into contiguous runs of whole test
 functions (the parametrizations of one function share most of their kernels: kept in one process, each
 kernel is compiled once, not once a process), deals the runs to the shards largest first, and runs the
-shards side by side, each logging to OUT/tests-shardI.txt. Exit status: non-zero if any shard failed or
-if the shards ran fewer tests than were collected (a shard that ran nothing is not a pass).
+shards side by side, each logging to OUT/tests-shardI.txt. Tests marked `big_memory` (tens of GB of GPU
+memory each) run after the shards, in one process of their own (OUT/tests-alone.txt): beside the shards'
+memory pools they could run out of memory. Exit status: non-zero if any shard failed or if the shards ran
+fewer tests than were collected (a shard that ran nothing is not a pass).
 """
 from __future__ import annotations
 
@@ -35,13 +37,22 @@ def deal(node_ids: list[str], shards: int) -> list[list[str]]:
     return [shard for shard in out if shard]
 
 
-def collect(marker: str, paths: list[str], extra: list[str]) -> list[str]:
+def collect(marker: str, paths: list[str], extra: list[str], allow_empty: bool = False) -> list[str]:
     done = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
                            "-m", marker, *paths, *extra], capture_output=True, text=True)
     ids = [line.strip() for line in done.stdout.splitlines() if "::" in line]
-    if done.returncode not in (0, 5) or not ids:
+    if done.returncode not in (0, 5) or not (ids or allow_empty):
         sys.exit(f"pytest_shards: collection failed (exit {done.returncode}):\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
     return ids
+
+
+def pytest(ids: list[str], extra: list[str], log_path: Path) -> subprocess.Popen:
+    """A pytest process running `ids`, logging to `log_path`."""
+    log = open(log_path, "w")
+    cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", *extra, *ids]
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    log.close()  # the child holds its own copy
+    return proc
 
 
 _COUNTS = re.compile(r"(\d+) (passed|failed|errors?|skipped|xfailed|xpassed)")
@@ -64,31 +75,37 @@ def main(argv=None) -> int:
     if args.shards < 1:
         parser.error("--shards: expected 1 or more")
     args.out.mkdir(parents=True, exist_ok=True)
-    ids = collect(args.marker, args.paths, args.extra)
+    ids = collect(f"({args.marker}) and not big_memory", args.paths, args.extra)
+    alone = collect(f"({args.marker}) and big_memory", args.paths, args.extra, allow_empty=True)
     shards = deal(ids, args.shards)
     t0 = time.monotonic()
-    procs = []
+    runs = []  # (label, tests, log, process)
     for i, shard in enumerate(shards):
         (args.out / f"tests-shard{i}.ids").write_text("\n".join(shard) + "\n")
-        log = open(args.out / f"tests-shard{i}.txt", "w")
-        cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", *args.extra, *shard]
-        procs.append((i, len(shard), log, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)))
+        log = args.out / f"tests-shard{i}.txt"
+        runs.append((f"shard {i}", len(shard), log, pytest(shard, args.extra, log)))
     status, total = 0, 0
-    for i, count, log, proc in procs:
+
+    def finish(label, count, log, proc):
+        nonlocal status, total
         rc = proc.wait()
-        log.close()
-        text = (args.out / f"tests-shard{i}.txt").read_text()
-        n = ran(text)
-        total += n
+        text = log.read_text()
+        total += ran(text)
         tail = next((line for line in reversed(text.splitlines()) if line.strip()), "")
-        print(f"shard {i}: {count} tests, exit {rc} after {time.monotonic() - t0:.0f} s: {tail}", flush=True)
+        print(f"{label}: {count} tests, exit {rc} after {time.monotonic() - t0:.0f} s: {tail}", flush=True)
         status = status or rc
-    print(f"{len(ids)} collected, {total} ran in {len(shards)} shards")
-    if total < len(ids):
+
+    for run in runs:
+        finish(*run)
+    if alone:  # after the shards, whose memory pools are gone
+        log = args.out / "tests-alone.txt"
+        finish("big_memory, alone", len(alone), log, pytest(alone, args.extra, log))
+    print(f"{len(ids) + len(alone)} collected, {total} ran in {len(shards)} shards"
+          + (f" and {len(alone)} alone" if alone else ""))
+    if total < len(ids) + len(alone):
         print("pytest_shards: fewer tests ran than were collected")
         status = status or 1
     return status
-
 
 if __name__ == "__main__":
     sys.exit(main())

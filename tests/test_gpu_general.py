@@ -205,6 +205,7 @@ def test_one_element_rows(rng):
     assert float(abs(dx).max()) == 0 and float(abs(dw).max()) == 0
 
 
+@pytest.mark.big_memory  # about 17 GB: beside the tier's other shards it could run out of memory
 @pytest.mark.parametrize("n", [8192, 4097])
 def test_int64_indexing(n, rng):
     """M * N past 2^31 elements: 64-bit row offsets, forward and backward."""

@@ -54,3 +54,29 @@ def test_the_tier_shards_keep_each_test_function_whole_and_count_what_ran():
     assert shards.ran("..s.F\n2 passed, 1 skipped, 1 failed in 3.2s\n") == 4
     assert shards.ran("1 failed, 3 passed, 2 errors in 1.0s (0:00:01)") == 6
     assert shards.ran("collection interrupted") == 0
+
+
+def test_the_tier_shards_run_big_memory_tests_alone_after_the_others(tmp_path, monkeypatch, capsys):
+    """Tests marked big_memory are left out of the shards and run in one process after them; every
+    collected test is counted, and a failure anywhere fails the run."""
+    shards = _script("pytest_shards")
+    (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    gpu: g\n    big_memory: b\n")
+    (tmp_path / "test_t.py").write_text(
+        "import pathlib\nimport pytest\n"
+        "pytestmark = pytest.mark.gpu\n"
+        "def test_a(): pass\n"
+        "def test_b(): pass\n"
+        "@pytest.mark.big_memory\n"
+        "def test_big():\n"
+        "    # the others are done: their processes have written their logs\n"
+        "    out = pathlib.Path(__file__).parent / 'out'\n"
+        "    assert all('passed' in p.read_text() for p in out.glob('tests-shard*.txt'))\n")
+    monkeypatch.chdir(tmp_path)
+    assert shards.main(["--shards", "2", "--out", "out", "--paths", "."]) == 0
+    printed = capsys.readouterr().out
+    assert "3 collected, 3 ran in 2 shards and 1 alone" in printed
+    assert "test_big" not in "".join(p.read_text() for p in (tmp_path / "out").glob("tests-shard*.ids"))
+    assert "1 passed" in (tmp_path / "out" / "tests-alone.txt").read_text()
+    (tmp_path / "test_t.py").write_text((tmp_path / "test_t.py").read_text().replace(
+        "def test_big():", "def test_big():\n    assert False"))
+    assert shards.main(["--shards", "2", "--out", "out", "--paths", "."]) != 0

@@ -237,7 +237,8 @@ class Traits:
     @property
     def dgamma_after_reduction(self) -> bool:
         """(backward) The kernel's LATE_DGAMMA: late_dgamma's calls, and REFINE_MEAN's, whose xhat is known only
-        after the row reduction (it takes the mean of xhat off)."""
+        after the row reduction (it takes the mean of xhat off; a GATED kernel's plain loop, which no refined
+        row takes, sums dgamma before the reduction)."""
         return self.late_dgamma or (self.backward and self.refine_mean)
 
     @property

@@ -72,7 +72,8 @@ static_assert(SMEM_BYTES == ${SMEM_BYTES}, "cunorm.Traits.smem_bytes disagrees w
 // norm_traits.cuh): the mean given is the forward's rounded to fp32, off the row's by up to |mean| * 2^-24,
 // which moves every xhat by delta, the mean of xhat. Its sum rides in the reduction the row takes anyway; on
 // rows far from zero mean delta then comes off xhat: in dx through the row's constants, in dgamma's column
-// sums, which such kernels take after the reduction (LATE_DGAMMA).
+// sums, which such kernels take after the reduction (LATE_DGAMMA; GATED kernels' plain loop, below, takes
+// them before it: no row of its CTA is refined).
 enum : int { GX = RMS ? 0 : 1, CENTRED = GX + 1 };
 constexpr int SUMS = CENTRED + (REFINE_MEAN ? 1 : 0);
 static_assert(!REFINE_MEAN || !FROM_OUTPUT, "REFINE_MEAN: xhat from x and the mean");
@@ -457,7 +458,7 @@ norm_bwd(const output_t* dy, const input_t* x, const residual_t* dresidual,
             Vec<weight1_t, ELTS_PER_LDG> w1v;
             if constexpr (PARALLEL) w1v = w1(it, at, row);
             compute_t out[ELTS_PER_LDG];
-            AccVec dg = dgamma_acc.get(it), dg1 = dgamma1_acc.get(it);  // LATE_DGAMMA's
+            AccVec dg = dgamma_acc.get(it), dg1 = dgamma1_acc.get(it);  // DGAMMA_LATE's
 #pragma unroll
             for (int e = 0; e < ELTS_PER_LDG; ++e) {
               const compute_t xhat = ZERO_XHAT ? compute_t(0) : xhat_of(xv[it], wv, it, e, row, mu, rs);

@@ -107,5 +107,6 @@ def main(argv=None) -> int:
         status = status or 1
     return status
 
+
 if __name__ == "__main__":
     sys.exit(main())

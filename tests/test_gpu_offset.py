@@ -142,7 +142,24 @@ def test_centred_rows_keep_their_bits_beside_a_few_offset_rows(n, residual, rng,
         cunorm.set_batch_invariant(was)
 
 
-def _centred_rows_beside_a_few_offset_rows(n, residual, rng, cupy, poisoned):
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("n", [32769, 65537])
+def test_general_rows_keep_their_bits_beside_a_few_offset_rows(n, residual, rng, poisoned):
+    """As above on the general kernel (batch-invariant mode off), where the rows' lanes outside the row are
+    filled differently by the refined and the plain row loop of kernels that pick one per CTA (PERFORMANCE.md
+    version 46: the H100's picks at 32769 and 65537): each centred row's dx is bitwise what it is with every
+    row centred (same positions, same alignments). A row alone starts elsewhere, so it is not compared."""
+    import cupy
+
+    was = cunorm.batch_invariant()
+    cunorm.set_batch_invariant(False)
+    try:
+        _centred_rows_beside_a_few_offset_rows(n, residual, rng, cupy, poisoned, alone=False)
+    finally:
+        cunorm.set_batch_invariant(was)
+
+
+def _centred_rows_beside_a_few_offset_rows(n, residual, rng, cupy, poisoned, alone=True):
     m = 2048 if n <= 4096 else 160
     offset = np.zeros((m, 1), dtype=bool)
     offset[rng.choice(m, size=max(2, m // 100), replace=False)] = True
@@ -164,7 +181,7 @@ def _centred_rows_beside_a_few_offset_rows(n, residual, rng, cupy, poisoned):
     assert cupy.array_equal(grads["mixed"][0][keep], grads["plain"][0][keep])
     mean, rstd = stats["mixed"]
     xg = cupy.asarray(x)
-    for i in np.flatnonzero(offset[:, 0]):
+    for i in np.flatnonzero(offset[:, 0]) if alone else ():
         one = slice(i, i + 1)
         dxi = cunorm.layer_norm_backward(dy[one], xg[one], mean[one], rstd[one], wg,
                                          dresidual=None if dres is None else dres[one], out=poisoned((1, n)))[0]

@@ -250,8 +250,14 @@ __device__ __forceinline__ void finalize_across_grid(unsigned* ticket, int parts
   if (threadIdx.x == 0 && atomicAdd(ticket, 1u) == 2 * gridDim.x - 1) *ticket = 0u;  // every CTA is past the wait
 }
 
-// REFINE_MEAN: whether any row this CTA walks (for_each_row's) lies far enough from zero mean to be refined,
-// by the test the row loop applies to each row. A cluster's CTAs walk the same rows and agree.
+// REFINE_MEAN: whether a row with these statistics lies far enough from zero mean to be refined (false for
+// NaN statistics and for rows past the end, whose mean and rstd are 0).
+__device__ __forceinline__ bool refines_row(compute_t mean, compute_t rstd) {
+  return fabs(mean) * rstd >= REFINE_MIN_OFFSET;
+}
+
+// REFINE_MEAN: whether any row this CTA walks (for_each_row's) is one to refine (refines_row). A cluster's
+// CTAs walk the same rows and agree.
 __device__ __forceinline__ bool walks_offset_rows(const compute_t* mean, const compute_t* rstd, long long rows,
                                                   const Coords& at) {
   const long long stride = at.groups * ROWS_PER_CTA;
@@ -259,7 +265,7 @@ __device__ __forceinline__ bool walks_offset_rows(const compute_t* mean, const c
   for (long long i = threadIdx.x;; i += THREADS_PER_CTA) {  // the CTA's rows in increasing order
     const long long row = at.group * ROWS_PER_CTA + i / ROWS_PER_CTA * stride + i % ROWS_PER_CTA;
     if (row >= rows) break;
-    offset |= fabs(mean[row]) * rstd[row] >= REFINE_MIN_OFFSET;
+    offset |= refines_row(mean[row], rstd[row]);
   }
   return __syncthreads_or(offset);
 }
@@ -439,7 +445,7 @@ norm_bwd(const output_t* dy, const input_t* x, const residual_t* dresidual,
       bool refined = false;
       compute_t delta = 0;
       if constexpr (REFINED_LOOP && !ZERO_XHAT) {  // (a row of one element: xhat is 0 whatever the mean)
-        refined = fabs(mu) * rs >= REFINE_MIN_OFFSET;
+        refined = refines_row(mu, rs);
         if (refined) delta = sums[CENTRED] * rs * inv_cols;
       }
       const compute_t sum_gx = refined ? cn_fma(-delta, sums[0], sums[GX]) : sums[GX];

@@ -94,6 +94,8 @@ def from_knobs(knobs: dict, **call) -> Traits:
 
 
 HEURISTIC, TUNED_LITERAL = "heuristic", "tuned"  # origins of a choice besides the tables' (Table.origin)
+# A spilling pick's replacements (`fallbacks`): the same shape refitted, or the heuristic's.
+HALF_CTAS, HEURISTIC_FALLBACK = "the pick at half its CTAs an SM (it spills)", "heuristic (the pick spills)"
 
 
 def measured(origin: str) -> bool:
@@ -113,7 +115,7 @@ def choose(*, arch: int = CLUSTER_MIN_ARCH, tuned: bool = True, gpu=None, unstag
     ones 0.69-0.78). tuned=False: the heuristic only; unstaged=False:
     without the heuristic's unstaged forward.
     Measured knobs or an unstaged forward that compile with spills for the
-    call's dtype mix are replaced by `fallback`'s pick where they are compiled
+    call's dtype mix are replaced by a `fallbacks` pick where they are compiled
     (`plan`, `check.case_kernels`): spills are known only then."""
     fields, max_vector, aligned_vector = call_fields(**call)
     n, input_dtype, backward = fields["hidden_size"], fields["input_dtype"], fields.get("backward", False)
@@ -148,6 +150,32 @@ def may_fall_back(traits: Traits, origin: str) -> bool:
 def fallback(arch: int, **call) -> Traits:
     """What runs a call whose pick spills: the heuristic without the unstaged forward."""
     return choose(arch=arch, tuned=False, unstaged=False, **call)[0]
+
+
+def fallbacks(spilled: Traits, arch: int, **call) -> list:
+    """[(traits, origin)] to try, in order, for a call whose pick `spilled` compiles with spills: a measured
+    persistent shape at half its CTAs an SM (twice the registers a thread: general rows borrow knobs measured
+    on aligned rows, whose kernel needs fewer; 36 of the 47 measured picks that spill on general rows compile
+    clean so, docs/runs/2026-11-26-general-rows-spilling-picks.txt), then `fallback`'s pick."""
+    plain = fallback(arch, **call)
+    out = []
+    if spilled != plain and spilled.persistent and spilled.min_ctas_per_sm > 1:
+        try:
+            out.append((spilled.replace(min_ctas_per_sm=spilled.min_ctas_per_sm // 2), HALF_CTAS))
+        except ValueError:
+            pass
+    return out + [(plain, HEURISTIC_FALLBACK)]
+
+
+def without_spills(pick: Traits, origin: str, spills, arch: int, **call) -> tuple:
+    """(traits, origin) that runs a call: `pick` unless it may fall back (`may_fall_back`) and spills
+    (`spills(traits)`: compiles it), else the first of `fallbacks` that does not spill, or the last."""
+    if not (may_fall_back(pick, origin) and spills(pick)):
+        return pick, origin
+    for traits, why in fallbacks(pick, arch, **call):
+        if not spills(traits):
+            break
+    return traits, why
 
 
 def _serves_unstaged(call: dict, measured_layout: bool) -> bool:

@@ -437,6 +437,27 @@ def test_a_spilling_unstaged_pick_falls_back_to_the_staged_heuristic():
     assert [(p.persistent, origin) for p, origin in picks] == [(True, "heuristic (the pick spills)")]
 
 
+def test_a_spilling_measured_pick_tries_half_its_ctas_an_sm_before_the_heuristic():
+    """General rows borrow knobs measured on aligned rows; where they spill, the same shape at half the CTAs an
+    SM (twice the registers a thread) comes first, then the staged heuristic (both paths: `dispatch.fallbacks`,
+    used by `plan._plan` and the checker)."""
+    case = check.Case("layer_norm_backward", 8193, 3, "bfloat16", "bfloat16")
+    pick, origin = dispatch.choose(arch=90, **check.case_call(case))
+    assert dispatch.measured(origin) and pick.persistent and pick.min_ctas_per_sm == 2 and not pick.aligned_rows
+    half = pick.replace(min_ctas_per_sm=1)
+    plain = dispatch.fallback(90, **check.case_call(case))
+    assert dispatch.fallbacks(pick, 90, **check.case_call(case)) == [(half, dispatch.HALF_CTAS),
+                                                                    (plain, dispatch.HEURISTIC_FALLBACK)]
+    def runs(spilling):  # the call's kernel (case_kernels adds the small backward's one-launch variant after it)
+        return next(iter(check.case_kernels([case], 90, spills=spilling.__contains__)))
+
+    assert runs({pick}) == (half, dispatch.HALF_CTAS)
+    assert runs({pick, half}) == (plain, dispatch.HEURISTIC_FALLBACK)
+    assert runs(set()) == (pick, origin)
+    # The heuristic's own staged pick has nothing to fall back to.
+    assert dispatch.fallbacks(plain, 90, **check.case_call(case)) == [(plain, dispatch.HEURISTIC_FALLBACK)]
+
+
 def test_half_precision_rows_are_not_refined():
     """bf16 and fp16 rows keep the unrefined kernels (they cannot hold offset data that needs it), fp32 and
     an fp32 residual beside bf16 x take the refined ones; RMSNorm, the backward from y and float64 x never do."""

@@ -101,8 +101,8 @@ def case_kernels(cases, arch: int, spills=None, gpu=None):
     legal traits there. attention_delta cases count both its aligned and its
     narrowest (offset view) kernels. `spills(traits)`, when given, says
     whether traits compile with spills: a tuned entry or an unstaged forward
-    that does is replaced by dispatch.fallback's pick, as the GPU path
-    replaces it (`plan._plan`). `gpu`
+    that does is replaced as the GPU path replaces it (`dispatch.without_spills`,
+    `plan._plan`). `gpu`
     (cunorm.tables.GPU): the GPU model whose tuned tables the calls consult."""
     from ..attention_delta import heuristic as delta_heuristic
 
@@ -123,8 +123,8 @@ def case_kernels(cases, arch: int, spills=None, gpu=None):
             except ValueError as e:
                 yield e, "unsupported"
                 continue
-            if spills is not None and dispatch.may_fall_back(*found[0]) and spills(found[0][0]):
-                found = [(dispatch.fallback(arch, **call), "heuristic (the pick spills)")]
+            if spills is not None:
+                found = [dispatch.without_spills(*found[0], spills, arch, **call)]
             traits, origin = found[0]
             if one_launch(traits, case.rows):  # small backwards run the one-launch variant, unless it spills
                 fused = traits.replace(grid_finalize=True)

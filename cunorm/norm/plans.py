@@ -32,9 +32,9 @@ class Family:
         return dispatch.from_knobs(knobs, **call)
 
     @staticmethod
-    def fallback(arch: int, **call) -> Traits:
-        """What runs a call whose pick spills on its dtype mix (dispatch.fallback)."""
-        return dispatch.fallback(arch, **call)
+    def fallbacks(spilled: Traits, arch: int, **call) -> list:
+        """What may run a call whose pick spills on its dtype mix, in order (dispatch.fallbacks)."""
+        return dispatch.fallbacks(spilled, arch, **call)
 
 
 @dataclass

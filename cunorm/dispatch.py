@@ -94,8 +94,9 @@ def from_knobs(knobs: dict, **call) -> Traits:
 
 
 HEURISTIC, TUNED_LITERAL = "heuristic", "tuned"  # origins of a choice besides the tables' (Table.origin)
-# A spilling pick's replacements (`fallbacks`): the same shape refitted, or the heuristic's.
-HALF_CTAS, HEURISTIC_FALLBACK = "the pick at half its CTAs an SM (it spills)", "heuristic (the pick spills)"
+# A spilling pick's replacements (`fallbacks`): its own shape at half the CTAs an SM (origin: the pick's
+# origin and HALF_CTAS), or the heuristic's.
+HALF_CTAS, HEURISTIC_FALLBACK = "at half its CTAs an SM (the pick spills)", "heuristic (the pick spills)"
 
 
 def measured(origin: str) -> bool:
@@ -142,18 +143,20 @@ def choose(*, arch: int = CLUSTER_MIN_ARCH, tuned: bool = True, gpu=None, unstag
 
 
 def may_fall_back(traits: Traits, origin: str) -> bool:
-    """Whether a pick is replaced by `fallback`'s where it compiles with spills: measured knobs (tuned for
-    one dtype mix) and the unstaged forward (its register cap is tight for some mixes)."""
-    return measured(origin) or not traits.persistent
+    """Whether dispatch's pick is replaced (`without_spills`) where it compiles with spills: measured knobs
+    (tuned for one dtype mix) and the unstaged forward (its register cap is tight for some mixes); never the
+    caller's knobs, which run as given."""
+    return origin != "caller" and (measured(origin) or not traits.persistent)
 
 
 def fallback(arch: int, **call) -> Traits:
-    """What runs a call whose pick spills: the heuristic without the unstaged forward."""
+    """The last resort for a call whose pick spills (`fallbacks`): the heuristic without the unstaged forward."""
     return choose(arch=arch, tuned=False, unstaged=False, **call)[0]
 
 
-def fallbacks(spilled: Traits, arch: int, **call) -> list:
-    """[(traits, origin)] to try, in order, for a call whose pick `spilled` compiles with spills: a measured
+def fallbacks(spilled: Traits, origin: str, arch: int, **call) -> list:
+    """[(traits, origin)] to try, in order, for a call whose pick `spilled` (from `origin`) compiles with
+    spills: a measured
     persistent shape at half its CTAs an SM (twice the registers a thread: general rows borrow knobs measured
     on aligned rows, whose kernel needs fewer; 36 of the 47 measured picks that spill on general rows compile
     clean so, docs/runs/2026-11-26-general-rows-spilling-picks.txt), then `fallback`'s pick."""
@@ -161,18 +164,20 @@ def fallbacks(spilled: Traits, arch: int, **call) -> list:
     out = []
     if spilled != plain and spilled.persistent and spilled.min_ctas_per_sm > 1:
         try:
-            out.append((spilled.replace(min_ctas_per_sm=spilled.min_ctas_per_sm // 2), HALF_CTAS))
-        except ValueError:
+            out.append((spilled.replace(min_ctas_per_sm=spilled.min_ctas_per_sm // 2), f"{origin} {HALF_CTAS}"))
+        except ValueError:  # no such shape (not seen: no legality check depends on the CTAs an SM)
             pass
     return out + [(plain, HEURISTIC_FALLBACK)]
 
 
 def without_spills(pick: Traits, origin: str, spills, arch: int, **call) -> tuple:
     """(traits, origin) that runs a call: `pick` unless it may fall back (`may_fall_back`) and spills
-    (`spills(traits)`: compiles it), else the first of `fallbacks` that does not spill, or the last."""
+    (`spills(traits)`: compiles it), else the first of `fallbacks` that does not spill, or the last. The
+    one place that decides, for the GPU path (`plan._plan`: the loaded kernels' local memory) and the
+    checker (`check.case_kernels`: the ptxas report)."""
     if not (may_fall_back(pick, origin) and spills(pick)):
         return pick, origin
-    for traits, why in fallbacks(pick, arch, **call):
+    for traits, why in fallbacks(pick, origin, arch, **call):
         if not spills(traits):
             break
     return traits, why

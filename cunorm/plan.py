@@ -83,19 +83,16 @@ def remember(key, call):
 def _plan(family, base: tuple, device_id: int, knobs: tuple | None, source: str | None):
     """Traits and loaded kernels for a call signature on a device, cached so
     that repeated calls skip dispatch and traits checks."""
-    arch = device_arch(device_id)
-    traits = choose_traits(family, base, arch, knobs, device_gpu(device_id) if knobs is None else None)
-    kernels = kernels_for(traits, device_id, None if source is None else check_source(traits, source))
-    fallbacks = getattr(family, "fallbacks", None)
-    if knobs is None and source is None and fallbacks and any(k.local_bytes for k in kernels.values()):
-        # A pick that spills for this dtype mix on this GPU (a tuned entry, an unstaged forward): the first of
-        # the family's fallbacks that does not, or the last.
-        for plain, _ in fallbacks(traits, arch=arch, **dict(base)):
-            kernels = kernels_for(plain, device_id)
-            if not any(k.local_bytes for k in kernels.values()):
-                break
-        traits = plain
-    return traits, kernels
+    arch, gpu = device_arch(device_id), device_gpu(device_id) if knobs is None else None
+    traits = choose_traits(family, base, arch, knobs, gpu)
+    without_spills = getattr(family, "without_spills", None)
+    if knobs is None and source is None and without_spills:
+        # A pick that spills for this dtype mix on this GPU (a tuned entry, an unstaged forward) is replaced.
+        def spills(t):
+            return any(k.local_bytes for k in kernels_for(t, device_id).values())
+
+        traits = without_spills(traits, spills, arch=arch, gpu=gpu, **dict(base))
+    return traits, kernels_for(traits, device_id, None if source is None else check_source(traits, source))
 
 
 @functools.lru_cache(maxsize=4096)
@@ -136,8 +133,8 @@ def _knobs(family, traits, key: tuple, arch: int):
 def resolve(family, traits, base: dict, device_id: int, source: str | None = None):
     """(traits, kernels) for a call. `family` names its `traits_class` (with a
     KNOBS tuple), `choose(arch=..., **base)` and optionally
-    `from_knobs(knobs, **base)` and `fallbacks(traits, arch=..., **base)` ([(traits, origin)] to try, in
-    order, where dispatch's pick compiles with spills); `traits` is None (dispatch), a traits object
+    `from_knobs(knobs, **base)` and `without_spills(pick, spills, arch=..., gpu=..., **base)` (what runs
+    where dispatch's pick compiles with spills); `traits` is None (dispatch), a traits object
     (must match the call) or a mapping of knobs; `source` an edited copy of
     the traits' kernel file, compiled in place of the shipped one."""
     key = tuple(sorted(base.items()))

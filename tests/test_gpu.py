@@ -317,10 +317,11 @@ def _spilling_entry_falls_back(zero_centered, rng):
     dev = cupy.cuda.Device().id
     t, kernels = plan.resolve(plans.Family, None, call, dev)
     if cupy.cuda.Device(dev).compute_capability == "90":
-        options = [o for o, _ in dispatch.fallbacks(tuned, 90, **call)]
-        assert options[-1] == dispatch.choose(arch=90, tuned=False, unstaged=False, **call)[0]
+        options = [o for o, _ in dispatch.fallbacks(tuned, origin, 90, **call)]
         clean = [o for o in options if not any(k.local_bytes for k in compiler.kernels_for(o, dev).values())]
-        assert t != tuned and t == (clean or options)[0]
+        # The half-CTAs shape compiles clean here (the 2026-11-27 tier), so it is what runs.
+        assert len(options) == 2 and clean[:1] == options[:1]
+        assert t != tuned and t == options[0]
     assert all(k.local_bytes == 0 for k in kernels.values())
     _assert_ok(check.run_case(case, rng))
 

@@ -437,25 +437,47 @@ def test_a_spilling_unstaged_pick_falls_back_to_the_staged_heuristic():
     assert [(p.persistent, origin) for p, origin in picks] == [(True, "heuristic (the pick spills)")]
 
 
-def test_a_spilling_measured_pick_tries_half_its_ctas_an_sm_before_the_heuristic():
+def test_a_spilling_measured_pick_tries_half_its_ctas_an_sm_before_the_heuristic(monkeypatch):
     """General rows borrow knobs measured on aligned rows; where they spill, the same shape at half the CTAs an
-    SM (twice the registers a thread) comes first, then the staged heuristic (both paths: `dispatch.fallbacks`,
-    used by `plan._plan` and the checker)."""
+    SM (twice the registers a thread) comes first, then the staged heuristic. One function decides
+    (`dispatch.without_spills`), for the checker and for the GPU path (`plan._plan`, run here with its
+    compiler stubbed: a kernel's local memory as the spill set says)."""
+    from types import SimpleNamespace
+
+    from cunorm import plan
+    from cunorm.norm import plans
+
     case = check.Case("layer_norm_backward", 8193, 3, "bfloat16", "bfloat16")
-    pick, origin = dispatch.choose(arch=90, **check.case_call(case))
+    call = check.case_call(case)
+    pick, origin = dispatch.choose(arch=90, **call)
     assert dispatch.measured(origin) and pick.persistent and pick.min_ctas_per_sm == 2 and not pick.aligned_rows
-    half = pick.replace(min_ctas_per_sm=1)
-    plain = dispatch.fallback(90, **check.case_call(case))
-    assert dispatch.fallbacks(pick, 90, **check.case_call(case)) == [(half, dispatch.HALF_CTAS),
-                                                                    (plain, dispatch.HEURISTIC_FALLBACK)]
-    def runs(spilling):  # the call's kernel (case_kernels adds the small backward's one-launch variant after it)
+    half, half_origin = pick.replace(min_ctas_per_sm=1), f"{origin} {dispatch.HALF_CTAS}"
+    plain = dispatch.fallback(90, **call)
+    assert dispatch.fallbacks(pick, origin, 90, **call) == [(half, half_origin), (plain, dispatch.HEURISTIC_FALLBACK)]
+
+    def checker_runs(spilling):  # the call's kernel (case_kernels adds the one-launch variant after it)
         return next(iter(check.case_kernels([case], 90, spills=spilling.__contains__)))
 
-    assert runs({pick}) == (half, dispatch.HALF_CTAS)
-    assert runs({pick, half}) == (plain, dispatch.HEURISTIC_FALLBACK)
-    assert runs(set()) == (pick, origin)
-    # The heuristic's own staged pick has nothing to fall back to.
-    assert dispatch.fallbacks(plain, 90, **check.case_call(case)) == [(plain, dispatch.HEURISTIC_FALLBACK)]
+    monkeypatch.setattr(plan, "device_arch", lambda device_id: 90)
+    monkeypatch.setattr(plan, "device_gpu", lambda device_id: None)
+
+    def gpu_runs(spilling):
+        monkeypatch.setattr(plan, "kernels_for", lambda t, device_id, source=None:
+                            {"k": SimpleNamespace(local_bytes=8 if t in spilling else 0)})
+        plan.forget_choices()
+        try:
+            return plan.resolve(plans.Family, None, call, 0)[0]
+        finally:
+            plan.forget_choices()
+
+    for spilling, want in (({pick}, (half, half_origin)), ({pick, half}, (plain, dispatch.HEURISTIC_FALLBACK)),
+                           ({pick, half, plain}, (plain, dispatch.HEURISTIC_FALLBACK)), (set(), (pick, origin))):
+        assert checker_runs(spilling) == want and gpu_runs(spilling) == want[0], spilling
+    # The heuristic's own staged pick has nothing to fall back to; the caller's knobs run as given.
+    assert dispatch.fallbacks(plain, "heuristic", 90, **call) == [(plain, dispatch.HEURISTIC_FALLBACK)]
+    assert dispatch.without_spills(pick, "caller", lambda t: True, 90, **call) == (pick, "caller")
+    unstaged = dispatch.choose(arch=90, hidden_size=4096, input_dtype="bfloat16")[0]
+    assert not unstaged.persistent and not dispatch.may_fall_back(unstaged, "caller")
 
 
 def test_half_precision_rows_are_not_refined():

@@ -32,9 +32,11 @@ class Family:
         return dispatch.from_knobs(knobs, **call)
 
     @staticmethod
-    def fallbacks(spilled: Traits, arch: int, **call) -> list:
-        """What may run a call whose pick spills on its dtype mix, in order (dispatch.fallbacks)."""
-        return dispatch.fallbacks(spilled, arch, **call)
+    def without_spills(pick: Traits, spills, arch: int, gpu=None, **call) -> Traits:
+        """What runs a call whose dispatch pick is `pick` (`choose`'s, same arguments), given `spills(traits)`
+        (dispatch.without_spills)."""
+        origin = dispatch.choose(arch=arch, gpu=gpu, **call)[1]
+        return dispatch.without_spills(pick, origin, spills, arch, **call)[0]
 
 
 @dataclass

@@ -156,10 +156,10 @@ def fallback(arch: int, **call) -> Traits:
 
 def fallbacks(spilled: Traits, origin: str, arch: int, **call) -> list:
     """[(traits, origin)] to try, in order, for a call whose pick `spilled` (from `origin`) compiles with
-    spills: a measured
-    persistent shape at half its CTAs an SM (twice the registers a thread: general rows borrow knobs measured
-    on aligned rows, whose kernel needs fewer; 36 of the 47 measured picks that spill on general rows compile
-    clean so, docs/runs/2026-11-26-general-rows-spilling-picks.txt), then `fallback`'s pick."""
+    spills: a measured persistent shape at half its CTAs an SM (twice the registers a thread: general rows
+    borrow knobs measured on aligned rows, whose kernel needs fewer; 36 of the 47 measured picks that spill on
+    general rows compile clean so, docs/runs/2026-11-26-general-rows-spilling-picks.txt), then `fallback`'s
+    pick."""
     plain = fallback(arch, **call)
     out = []
     if spilled != plain and spilled.persistent and spilled.min_ctas_per_sm > 1:

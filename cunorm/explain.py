@@ -65,6 +65,11 @@ def _layout_reasons(p, t: Traits) -> list:
     return reasons
 
 
+# What runs where a measured entry compiles with spills (dispatch.without_spills).
+SPILLING_ENTRY = ("if it compiles with spills for this dtype mix, its shape at half the CTAs an SM runs instead "
+                  "where that compiles clean, else the heuristic's pick")
+
+
 def explain(op, *args, arch: int | str | None = None, **kwargs) -> Explanation:
     """Explains a call: `cunorm.explain(cunorm.layer_norm, x, w, b)` (or the
     op's name) takes the op's own arguments, validates them as the op would
@@ -123,14 +128,10 @@ def explain(op, *args, arch: int | str | None = None, **kwargs) -> Explanation:
         neighbour = dispatch.tuned_neighbour(t.hidden_size, t.input_dtype)
         general = not t.aligned_rows and dispatch.tuned_knobs(t.backward, neighbour, t.input_dtype, general=True)
         reasons.append(f"dispatch: the tuned entry for {'general rows beside ' if general else ''}N={neighbour} "
-                       f"(sm_{dispatch.TUNED_ARCH}); if it compiles with spills for this dtype mix, its shape at "
-                       f"half the CTAs an SM runs instead where that compiles clean, else the heuristic's pick "
-                       f"(`cunorm check --compile-only` lists where)")
+                       f"(sm_{dispatch.TUNED_ARCH}); {SPILLING_ENTRY} (`cunorm check --compile-only` lists where)")
     elif dispatch.measured(origin):
         reasons.append(f"dispatch: the entry for N={dispatch.tuned_neighbour(t.hidden_size, t.input_dtype)} in the "
-                       f"{origin} (measured on this GPU model by cunorm tune); if it compiles with spills for this "
-                       f"dtype mix, its shape at half the CTAs an SM runs instead where that compiles clean, "
-                       f"else the heuristic's pick")
+                       f"{origin} (measured on this GPU model by cunorm tune); {SPILLING_ENTRY}")
     elif origin == "heuristic":
         reasons.append("dispatch: the heuristic (no tuned entry applies: other GPU, size, residual or layout)")
     if origin != "caller" and not t.persistent:

@@ -35,6 +35,8 @@ class Family:
     def without_spills(pick: Traits, spills, arch: int, gpu=None, **call) -> Traits:
         """What runs a call whose dispatch pick is `pick` (`choose`'s, same arguments), given `spills(traits)`
         (dispatch.without_spills)."""
+        if not spills(pick):  # most calls: nothing to replace, and no second dispatch for the pick's origin
+            return pick
         origin = dispatch.choose(arch=arch, gpu=gpu, **call)[1]
         return dispatch.without_spills(pick, origin, spills, arch, **call)[0]
 

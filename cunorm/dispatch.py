@@ -93,7 +93,8 @@ def from_knobs(knobs: dict, **call) -> Traits:
     return Traits(**fields, **{**KNOB_DEFAULTS, **knobs}, aligned_rows=elts <= aligned_vector)
 
 
-HEURISTIC, TUNED_LITERAL = "heuristic", "tuned"  # origins of a choice besides the tables' (Table.origin)
+# Origins of a choice besides the tables' (Table.origin); CALLER: knobs or traits the caller gave.
+HEURISTIC, TUNED_LITERAL, CALLER = "heuristic", "tuned", "caller"
 # A spilling pick's replacements (`fallbacks`): its own shape at half the CTAs an SM (origin: the pick's
 # origin and HALF_CTAS), or the heuristic's.
 HALF_CTAS, HEURISTIC_FALLBACK = "at half its CTAs an SM (the pick spills)", "heuristic (the pick spills)"
@@ -101,7 +102,7 @@ HALF_CTAS, HEURISTIC_FALLBACK = "at half its CTAs an SM (the pick spills)", "heu
 
 def measured(origin: str) -> bool:
     """Whether a choice came from measured knobs (a table or the literal), not the heuristic or the caller."""
-    return origin not in (HEURISTIC, "caller")
+    return origin not in (HEURISTIC, CALLER)
 
 
 def choose(*, arch: int = CLUSTER_MIN_ARCH, tuned: bool = True, gpu=None, unstaged: bool = True, **call) -> tuple:
@@ -146,7 +147,7 @@ def may_fall_back(traits: Traits, origin: str) -> bool:
     """Whether dispatch's pick is replaced (`without_spills`) where it compiles with spills: measured knobs
     (tuned for one dtype mix) and the unstaged forward (its register cap is tight for some mixes); never the
     caller's knobs, which run as given."""
-    return origin != "caller" and (measured(origin) or not traits.persistent)
+    return origin != CALLER and (measured(origin) or not traits.persistent)
 
 
 def fallback(arch: int, **call) -> Traits:

@@ -113,7 +113,7 @@ def explain(op, *args, arch: int | str | None = None, **kwargs) -> Explanation:
         gpu = device_gpu(dev) if on_gpu and arch == device_arch(dev) else None  # its tuned tables
         t, origin = dispatch.choose(arch=arch, gpu=gpu, **p.base)
     else:
-        t, origin = plan.resolve_traits(plans.Family, traits, p.base, arch), "caller"
+        t, origin = plan.resolve_traits(plans.Family, traits, p.base, arch), dispatch.CALLER
     if source is not None:
         check_source(t, source)
         reasons.append(f"source: an edited {t.source_file} (the caller's), compiled in place of the shipped one")
@@ -134,7 +134,7 @@ def explain(op, *args, arch: int | str | None = None, **kwargs) -> Explanation:
                        f"{origin} (measured on this GPU model by cunorm tune); {SPILLING_ENTRY}")
     elif origin == "heuristic":
         reasons.append("dispatch: the heuristic (no tuned entry applies: other GPU, size, residual or layout)")
-    if origin != "caller" and not t.persistent:
+    if origin != dispatch.CALLER and not t.persistent:
         reasons.append(f"unstaged forward: a CTA per {'row' if t.rows_per_cta == 1 else f'{t.rows_per_cta} rows'}, "
                        f"read straight into registers, capped at {t.register_cap} "
                        f"registers a thread so that many CTAs share an SM (no persistent grid); if it compiles "
@@ -165,8 +165,8 @@ def _explain_delta(out, grad_out, *, traits=None, arch=None) -> Explanation:
     reasons += [f"{name}: copied to a contiguous array ({why})" for name, why in copies.items()]
     reasons.append(f"{t.elts_per_ldg}-element loads ({t.vector_bytes(t.out_dtype)} bytes of out), "
                    f"{t.threads_per_row} threads a row, {t.rows_per_thread} rows a thread")
-    return Explanation("attention_delta", path, t, "caller" if traits is not None else "heuristic", tuple(reasons),
-                       arch)
+    origin = dispatch.CALLER if traits is not None else dispatch.HEURISTIC
+    return Explanation("attention_delta", path, t, origin, tuple(reasons), arch)
 
 
 def path_of(t: Traits, max_vector: int) -> str:

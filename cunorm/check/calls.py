@@ -117,7 +117,7 @@ def case_kernels(cases, arch: int, spills=None, gpu=None):
                 if case.knobs is not None:  # forced: no spill fallback (the op runs them as given)
                     t = dispatch.from_knobs(dict(case.knobs), **call)
                     t.check_arch(arch)
-                    found = [(t, "caller")]
+                    found = [(t, dispatch.CALLER)]
                 else:
                     found = [dispatch.choose(arch=arch, gpu=gpu, **call)]
             except ValueError as e:

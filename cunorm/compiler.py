@@ -16,6 +16,7 @@ import threading
 from dataclasses import dataclass, field
 
 from .source import render
+from .traits import PORTABLE_CLUSTER
 
 # -default-device: the kernels hold no host code, and their generic lambdas
 # (templated call operators, e.g. with_edges's) must compile as device code.
@@ -196,6 +197,8 @@ def _load(traits, device_id: int, source: str | None = None) -> dict:
                 raise CompileError(f"{traits.short()} failed to compile: {e}\n{_error_context(str(e), text)}") from None
             if smem:  # static + dynamic above 48 KB must be asked for; asking is harmless below
                 fn.max_dynamic_shared_size_bytes = smem
+            if cluster > PORTABLE_CLUSTER:  # before the occupancy query and any launch
+                _allow_non_portable_cluster(fn)
             blocks = _blocks_per_sm(fn, threads, smem)
             resident = sm_count * blocks if cluster == 1 else _resident_clusters(fn, threads, smem, cluster, sm_count)
             out[name] = Kernel(fn, threads, smem, blocks, sm_count, cluster, resident,
@@ -221,6 +224,19 @@ def _driver():
     return ctypes.CDLL("libcuda.so.1" if sys.platform != "win32" else "nvcuda.dll")
 
 
+_NON_PORTABLE_CLUSTER_SIZE_ALLOWED = 14  # CUfunction_attribute
+
+
+class ClusterNotResident(RuntimeError):
+    """No cluster of a kernel's non-portable size fits this GPU (GPCs of fewer SMs, a MIG slice)."""
+
+
+def _allow_non_portable_cluster(fn) -> None:
+    status = _driver().cuFuncSetAttribute(ctypes.c_void_p(fn.kernel.ptr), _NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1)
+    if status != 0:
+        raise RuntimeError(f"cuFuncSetAttribute(NON_PORTABLE_CLUSTER_SIZE_ALLOWED) failed (CUresult {status})")
+
+
 def _resident_clusters(fn, threads: int, smem: int, cluster: int, sm_count: int) -> int:
     """cuOccupancyMaxActiveClusters (CuPy does not wrap it) for a kernel with
     a compile-time cluster size."""
@@ -229,6 +245,7 @@ def _resident_clusters(fn, threads: int, smem: int, cluster: int, sm_count: int)
     status = _driver().cuOccupancyMaxActiveClusters(ctypes.byref(count), ctypes.c_void_p(fn.kernel.ptr),
                                                      ctypes.byref(config))
     if status != 0 or count.value < 1:
-        raise RuntimeError(f"cuOccupancyMaxActiveClusters failed (CUresult {status}, {count.value} clusters) for "
+        error = ClusterNotResident if cluster > PORTABLE_CLUSTER else RuntimeError
+        raise error(f"cuOccupancyMaxActiveClusters failed (CUresult {status}, {count.value} clusters) for "
                            f"{cluster}-CTA clusters of {threads} threads and {smem} bytes of shared memory")
     return count.value

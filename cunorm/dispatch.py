@@ -17,8 +17,9 @@ import itertools
 import math
 
 from . import dtypes
-from .traits import (CLUSTER_MIN_ARCH, DEFAULT_SMEM_LIMIT, KNOB_DEFAULTS, KNOBS, LANES_PER_ROW,
-                     PREFERRED_ELTS_PER_THREAD, REGISTERS_PER_SM, SMEM_LIMIT, THREADS_PER_WARP, Traits,
+from .compiler import ClusterNotResident
+from .traits import (CLUSTER_MIN_ARCH, CTAS_PER_ROW_CHOICES, DEFAULT_SMEM_LIMIT, KNOB_DEFAULTS, KNOBS,
+                     LANES_PER_ROW, PORTABLE_CLUSTER, PREFERRED_ELTS_PER_THREAD, REGISTERS_PER_SM, SMEM_LIMIT, THREADS_PER_WARP, Traits,
                      ctas_for_registers)
 from .tuned import TUNED, TUNED_ARCH, TUNED_GENERAL  # the measured tables, a literal of their own
 
@@ -40,6 +41,17 @@ PARTIAL_LINE_COST = 1.5
 # more than 512 threads (72 registers a thread or fewer) it spills (65537 general rows: 24 bytes in 26 warps x 4
 # CTAs), so where a row takes such a last-resort shape it prefers more, narrower CTAs (13 warps x 8: no spill).
 REFINED_WIDE_CTA_COST = 1.5
+# A wide backward CTA (more than 256 threads) keeps its column sums in shared memory; where they do not fit even
+# unstaged, they stay in registers its threads do not have: 131072 bf16 rows in 4 CTAs of 1024 threads spilled
+# 1384-1448 bytes a thread and read 0.09-0.20 of copy on an H100, where 8 CTAs of 512 threads with the sums in
+# shared memory compiled clean and read 0.64-0.76 (PERFORMANCE.md version 42 (d)). Such shapes come after every
+# last resort whose sums fit.
+WIDE_SUMS_IN_REGISTERS_COST = 100.0
+# A 16-CTA (non-portable) cluster: a backward's, where its column sums then fit shared memory, after every
+# portable last resort but before sums left in registers (262144 2-byte backwards). sm_90 only: other GPUs
+# (and MIG slices) may hold no such cluster.
+NON_PORTABLE_CLUSTER_COST = 90.0
+NON_PORTABLE_CLUSTER_ARCH = 90
 # Backwards of rows sharing warps, two loads a row or fewer, take 256-thread CTAs: N = 128 bf16 read 0.870 /
 # 0.881 of copy on an H100 / H200 with 8 warps a CTA, 0.844 / 0.863 with 4 (at four loads, N = 256, the two
 # were within 0.005 on an H100, and 8 warps leave no shared memory for staging).
@@ -98,6 +110,8 @@ HEURISTIC, TUNED_LITERAL, CALLER = "heuristic", "tuned", "caller"
 # A spilling pick's replacements (`fallbacks`): its own shape at half the CTAs an SM (origin: the pick's
 # origin and HALF_CTAS), or the heuristic's.
 HALF_CTAS, HEURISTIC_FALLBACK = "at half its CTAs an SM (the pick spills)", "heuristic (the pick spills)"
+# A pick whose 16-CTA cluster this GPU holds none of runs the heuristic's pick within portable clusters.
+PORTABLE_FALLBACK = "heuristic within portable clusters (this GPU holds no 16-CTA cluster)"
 
 
 def measured(origin: str) -> bool:
@@ -105,7 +119,8 @@ def measured(origin: str) -> bool:
     return origin not in (HEURISTIC, CALLER)
 
 
-def choose(*, arch: int = CLUSTER_MIN_ARCH, tuned: bool = True, gpu=None, unstaged: bool = True, **call) -> tuple:
+def choose(*, arch: int = CLUSTER_MIN_ARCH, tuned: bool = True, gpu=None, unstaged: bool = True,
+           portable_clusters: bool = False, **call) -> tuple:
     """(Traits, origin) for a call: origin names the table the knobs came from
     (a table's `origin`, "tuned" for the literal in tuned.py) or "heuristic".
     `gpu` (cunorm.tables.GPU) adds that model's tables. A call without aligned
@@ -115,7 +130,8 @@ def choose(*, arch: int = CLUSTER_MIN_ARCH, tuned: bool = True, gpu=None, unstag
     aligned row's knobs can be far off on the general kernel: H100 tables'
     65536 entries read 0.44-0.68 of copy at 65537, the literal's general
     ones 0.69-0.78). tuned=False: the heuristic only; unstaged=False:
-    without the heuristic's unstaged forward.
+    without the heuristic's unstaged forward; portable_clusters=True: without
+    its 16-CTA clusters.
     Measured knobs or an unstaged forward that compile with spills for the
     call's dtype mix are replaced by a `fallbacks` pick where they are compiled
     (`plan`, `check.case_kernels`): spills are known only then."""
@@ -140,7 +156,8 @@ def choose(*, arch: int = CLUSTER_MIN_ARCH, tuned: bool = True, gpu=None, unstag
                 t = None if knobs is None else _fit(dict(zip(KNOBS, knobs)), call, general, aligned, arch)
                 if t is not None:
                     return t, TUNED_LITERAL
-    return heuristic(arch=arch, elts_per_ldg=max_vector, aligned_rows=aligned, unstaged=unstaged, **fields), HEURISTIC
+    return heuristic(arch=arch, elts_per_ldg=max_vector, aligned_rows=aligned, unstaged=unstaged,
+                     portable_clusters=portable_clusters, **fields), HEURISTIC
 
 
 def may_fall_back(traits: Traits, origin: str) -> bool:
@@ -151,8 +168,9 @@ def may_fall_back(traits: Traits, origin: str) -> bool:
 
 
 def fallback(arch: int, **call) -> Traits:
-    """The last resort for a call whose pick spills (`fallbacks`): the heuristic without the unstaged forward."""
-    return choose(arch=arch, tuned=False, unstaged=False, **call)[0]
+    """The last resort for a call whose pick spills (`fallbacks`) or whose cluster no SM group here holds: the
+    heuristic without the unstaged forward, within portable clusters."""
+    return choose(arch=arch, tuned=False, unstaged=False, portable_clusters=True, **call)[0]
 
 
 def fallbacks(spilled: Traits, origin: str, arch: int, **call) -> list:
@@ -175,8 +193,13 @@ def without_spills(pick: Traits, origin: str, spills, arch: int, **call) -> tupl
     """(traits, origin) that runs a call: `pick` unless it may fall back (`may_fall_back`) and spills
     (`spills(traits)`: compiles it), else the first of `fallbacks` that does not spill, or the last. The
     one place that decides, for the GPU path (`plan._plan`: the loaded kernels' local memory) and the
-    checker (`check.case_kernels`: the ptxas report)."""
-    if not (may_fall_back(pick, origin) and spills(pick)):
+    checker (`check.case_kernels`: the ptxas report). The GPU path's `spills` loads the kernels: it raises
+    ClusterNotResident for a 16-CTA pick this GPU holds no cluster of, and `fallback`'s pick runs."""
+    try:
+        pick_spills = spills(pick)
+    except ClusterNotResident:
+        return fallback(arch, **call), PORTABLE_FALLBACK
+    if not (may_fall_back(pick, origin) and pick_spills):
         return pick, origin
     for traits, why in fallbacks(pick, origin, arch, **call):
         if not spills(traits):
@@ -361,13 +384,28 @@ def _short_row_shape(hidden_size: int, itemsize: int, elts_per_ldg: int, row_axe
     return None
 
 
+def _column_sums_fit_smem(t: Traits, arch: int) -> bool:
+    """Whether a backward's column sums (and its weights' slots) fit the GPU's shared memory, unstaged."""
+    try:
+        return t.replace(stages=1, smem_accumulators=True).smem_bytes <= SMEM_LIMIT.get(arch, DEFAULT_SMEM_LIMIT)
+    except ValueError:
+        return False
+
+
+def non_portable_cluster_serves(t: Traits, arch: int) -> bool:
+    """Whether traits of a 16-CTA cluster are offered (the heuristic, the tuner): sm_90 backwards whose column
+    sums then fit shared memory."""
+    return t.backward and arch == NON_PORTABLE_CLUSTER_ARCH and _column_sums_fit_smem(t, arch)
+
+
 def heuristic(*, hidden_size: int, input_dtype: str, elts_per_ldg: int | None = None, aligned_rows: bool = True,
-              backward: bool = False, arch: int = CLUSTER_MIN_ARCH, unstaged: bool = True, **rest) -> Traits:
+              backward: bool = False, arch: int = CLUSTER_MIN_ARCH, unstaged: bool = True,
+              portable_clusters: bool = False, **rest) -> Traits:
     """Legal traits for any hidden size: a forward unstaged_forward serves
     takes its traits (unless `unstaged` is False); otherwise the candidate with the fewest idle
     vector slots and the load count closest to TARGET_LDGS, preferring fewer
     CTAs per row and rows within the register budget; then enough rows per
-    CTA to reach MIN_THREADS_PER_CTA."""
+    CTA to reach MIN_THREADS_PER_CTA. portable_clusters=True: no 16-CTA clusters."""
     itemsize = dtypes.itemsize(input_dtype)
     if elts_per_ldg is None:  # contiguous aligned rows: the widest vector that divides the row
         elts_per_ldg = dtypes.vector_elements(itemsize)
@@ -379,7 +417,7 @@ def heuristic(*, hidden_size: int, input_dtype: str, elts_per_ldg: int | None = 
         if pick is not None:
             return pick
     two_rows = backward or rest.get("has_residual", False) or rest.get("x1_dtype") is not None
-    ctas_options = (1, 2, 4, 8) if arch >= CLUSTER_MIN_ARCH else (1,)
+    ctas_options = CTAS_PER_ROW_CHOICES if arch >= CLUSTER_MIN_ARCH else (1,)
     best, best_cost = None, math.inf
     # The widest vector, and half of it (at NARROW_LOAD_COST): a short row (N = 128 in bf16: a q/k head) fills
     # a whole warp with 8-byte loads where 16-byte ones leave half of it idle.
@@ -399,6 +437,8 @@ def heuristic(*, hidden_size: int, input_dtype: str, elts_per_ldg: int | None = 
                            aligned_rows=aligned_rows, **rest)
             except ValueError:
                 continue
+            if ctas > PORTABLE_CLUSTER and (portable_clusters or not non_portable_cluster_serves(t, arch)):
+                continue
             slots = t.ldgs * t.vec_cols_per_ldg
             idle = (slots - t.vec_cols) / slots
             # Fewer loads than the target cost latency hiding; more cost registers (and spill). Loads under 8
@@ -417,11 +457,14 @@ def heuristic(*, hidden_size: int, input_dtype: str, elts_per_ldg: int | None = 
             preferred = PREFERRED_ELTS_PER_THREAD[two_rows] // t.register_words
             cost += 20.0 * (warps_n > max_warps_n) + 40.0 * (t.elts_per_thread > preferred)
             cost += REFINED_WIDE_CTA_COST * (backward and t.refine_mean and t.threads_per_cta > 512)
+            cost += NON_PORTABLE_CLUSTER_COST * (ctas > PORTABLE_CLUSTER)
+            cost += WIDE_SUMS_IN_REGISTERS_COST * (backward and t.threads_per_cta > 256
+                                                   and not _column_sums_fit_smem(t, arch))
             if cost < best_cost:
                 best, best_cost = t, cost
     if best is None:
         raise ValueError(f"x: hidden size {hidden_size} ({input_dtype}, {'backward' if backward else 'forward'}) "
-                         f"does not fit the register-resident kernel on sm_{arch} (at most 8 CTAs of a "
+                         f"does not fit the register-resident kernel on sm_{arch} (at most 16 CTAs of a "
                          f"cluster on sm_90, one CTA before it)")
     # Wide CTAs get few registers per thread: there, weights are re-read instead
     # of held, and the backward keeps its column sums in shared memory.

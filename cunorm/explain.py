@@ -8,7 +8,7 @@ from . import dispatch, dtypes, layout, norm, plan
 from .compiler import arch_number, device_arch, device_gpu
 from .norm import calls, plans
 from .source import check_source
-from .traits import Traits
+from .traits import PORTABLE_CLUSTER, Traits
 
 OPS = {"layer_norm": (norm.layer_norm, False, False), "rms_norm": (norm.rms_norm, True, False),
        "layer_norm_backward": (norm.layer_norm_backward, False, True),
@@ -139,6 +139,10 @@ def explain(op, *args, arch: int | str | None = None, **kwargs) -> Explanation:
                        f"read straight into registers, capped at {t.register_cap} "
                        f"registers a thread so that many CTAs share an SM (no persistent grid); if it compiles "
                        f"with spills for this dtype mix, the staged heuristic's pick runs instead")
+    if t.ctas_per_row > PORTABLE_CLUSTER:
+        reasons.append(f"a {t.ctas_per_row}-CTA (non-portable) cluster a row: its column sums fit shared memory "
+                       f"across {t.ctas_per_row} CTAs, not across {PORTABLE_CLUSTER}; on a GPU that holds no such "
+                       f"cluster, the heuristic's pick within {PORTABLE_CLUSTER}-CTA clusters runs instead")
     path = path_of(t, p.base["max_vector"]) if on_gpu else "reference"
     return Explanation(name, path, t, origin, tuple(reasons), arch)
 

@@ -30,6 +30,10 @@ PREFERRED_ELTS_PER_THREAD = {False: 64, True: 32}
 SMEM_LIMIT = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}  # per CTA, by arch
 DEFAULT_SMEM_LIMIT = 99 * 1024
 CLUSTER_MIN_ARCH = 90
+# CTAs a row may span: a thread-block cluster of up to PORTABLE_CLUSTER, or 16 (non-portable: the compiler
+# allows it per kernel before launch; fewer such clusters may be resident, where GPCs are smaller).
+PORTABLE_CLUSTER = 8
+CTAS_PER_ROW_CHOICES = (1, 2, 4, 8, 16)
 MIN_ARCH = 80  # cp.async and the bf16/f16x2 conversion instructions
 # The independent knobs: launch shape and research levers (what tuning varies and `traits=` may force).
 KNOBS = ("warps_m", "warps_n", "ctas_per_row", "bytes_per_ldg", "stages", "cache_weights", "min_ctas_per_sm",
@@ -415,7 +419,8 @@ class Traits:
         rule(not self.aligned_rows or self.hidden_size % self.elts_per_ldg == 0,
              f"aligned rows must be whole vectors long: the hidden size must be a multiple of the elements per "
              f"load ({self.elts_per_ldg})")
-        rule(self.ctas_per_row in (1, 2, 4, 8), "CTAS_PER_ROW must be 1, 2, 4 or 8 (a portable cluster)")
+        rule(self.ctas_per_row in CTAS_PER_ROW_CHOICES,
+             "CTAS_PER_ROW must be 1, 2, 4, 8 (a portable cluster) or 16 (a non-portable one, sm_90)")
         rule(self.ctas_per_row == 1 or self.warps_m == 1, "several CTAs per row need WARPS_M == 1")
         rule(self.warps_n == 1 or self.warps_m < 16, "rows of several warps need WARPS_M < 16 (a named barrier each)")
         rule(self.lanes_per_row in LANES_PER_ROW, "LANES_PER_ROW must be 4, 8, 16 or 32")

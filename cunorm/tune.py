@@ -31,9 +31,9 @@ import numpy as np
 
 from . import dtypes, tables
 from .check import SHORT_NAMES
-from .traits import Traits, ctas_for_registers
+from .traits import CTAS_PER_ROW_CHOICES, PORTABLE_CLUSTER, Traits, ctas_for_registers
 
-SHAPES = dict(ctas_per_row=(1, 2, 4, 8), warps_n=(1, 2, 4, 8, 16, 32), warps_m=(1, 2, 4, 8), bytes_per_ldg=(16, 8),
+SHAPES = dict(ctas_per_row=CTAS_PER_ROW_CHOICES, warps_n=(1, 2, 4, 8, 16, 32), warps_m=(1, 2, 4, 8), bytes_per_ldg=(16, 8),
               lanes_per_row=(32, 16, 8, 4))
 EXTRAS = dict(stages=(1, 2, 3, 4), min_ctas_per_sm=(1, 2), cache_weights=(True, False),
               smem_accumulators=(False, True), recompute=(True, False))
@@ -134,6 +134,8 @@ def candidates(hidden_size: int, dtype: str, backward: bool, arch: int = 90, rms
     replaces SHAPES' WARPS_N values) with default extras, as the op builds
     them for contiguous rows: the general kernel where the load width does
     not divide N."""
+    from .dispatch import non_portable_cluster_serves
+
     job = Job.of(hidden_size, dtype, backward, rms, residual)
     call = job.call_fields()
     out = []
@@ -143,6 +145,8 @@ def candidates(hidden_size: int, dtype: str, backward: bool, arch: int = 90, rms
         if (ctas > 1 and wm > 1) or (lanes < 32 and (ctas > 1 or wn > 1)):  # several rows a warp: one warp wide
             continue
         t = _legal(call, arch, ctas_per_row=ctas, warps_n=wn, warps_m=wm, bytes_per_ldg=bpl, lanes_per_row=lanes)
+        if t is not None and ctas > PORTABLE_CLUSTER and not non_portable_cluster_serves(t, arch):
+            continue  # as dispatch offers 16-CTA clusters (a GPU holding none fails to load them: dropped)
         # A general key serves calls dispatch runs on the general kernel: a load width dividing N runs the
         # aligned one, whose knobs dispatch would not take for them.
         if t is not None and not (job.key.general and t.aligned_rows):

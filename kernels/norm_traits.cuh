@@ -79,8 +79,8 @@ static_assert(BYTES_PER_LDG == 2 || BYTES_PER_LDG == 4 || BYTES_PER_LDG == 8 || 
               "BYTES_PER_LDG must be 2, 4, 8 or 16");
 static_assert(BYTES_PER_LDG % sizeof(input_t) == 0, "BYTES_PER_LDG must hold whole input elements");
 static_assert(!ALIGNED_ROWS || COLS % ELTS_PER_LDG == 0, "aligned rows must be whole vectors long");
-static_assert(CTAS_PER_ROW == 1 || CTAS_PER_ROW == 2 || CTAS_PER_ROW == 4 || CTAS_PER_ROW == 8,
-              "CTAS_PER_ROW must be 1, 2, 4 or 8 (a portable cluster)");
+static_assert(CTAS_PER_ROW == 1 || CTAS_PER_ROW == 2 || CTAS_PER_ROW == 4 || CTAS_PER_ROW == 8 || CTAS_PER_ROW == 16,
+              "CTAS_PER_ROW must be 1, 2, 4, 8 (a portable cluster) or 16 (a non-portable one)");
 static_assert(CTAS_PER_ROW == 1 || WARPS_M == 1, "several CTAs per row need WARPS_M == 1");
 static_assert(STAGES >= 1 && STAGES <= 8, "STAGES must be 1..8");
 static_assert(PERSISTENT || STAGES == 1, "a grid of a CTA per row group reads its rows straight into registers");

@@ -1,6 +1,8 @@
 """Tier B: every dispatch entry compiles with NVRTC for sm_80 and sm_90, with
 no spills and no stack frame (except the heuristic's documented last resorts
 for rows no smaller CTA holds). Needs NVRTC, not a GPU."""
+import itertools
+
 import pytest
 
 import cunorm
@@ -200,3 +202,52 @@ def test_branch_variants_compile():
             if arch == 80 and t.uses_cluster:
                 continue
             assert compile_only(t, arch).clean, (arch, t.short())
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_wide_backward_keeps_its_column_sums_in_shared_memory(dtype):
+    """The heuristic's 2-byte backward at 131072 and 262144 (LayerNorm, RMSNorm, with and without dresidual):
+    CTAs whose column sums fit shared memory, 8 a row at 131072 and a 16-CTA (non-portable) cluster at 262144
+    (4 and 8 CTAs of 1024 threads held them in registers and spilled 1384-1564 bytes), compiled without
+    spills; at 98304, where 4 CTAs' sums fit, the pick keeps 4 CTAs."""
+    for rms, residual in itertools.product((False, True), repeat=2):
+        call = dict(input_dtype=dtype, backward=True, rms=rms, has_residual=residual,
+                    residual_dtype=dtype if residual else None)
+        for n, ctas in ((131072, 8), (262144, 16)):
+            t = dispatch.heuristic(hidden_size=n, **call)
+            assert t.ctas_per_row == ctas and t.smem_accumulators and compile_only(t, 90).clean, t.short()
+        assert dispatch.heuristic(hidden_size=98304, **call).ctas_per_row == 4
+
+
+def test_sixteen_cta_clusters_only_for_backwards_whose_sums_then_fit():
+    """A 16-CTA cluster serves only sm_90 backwards whose column sums fit 16 CTAs' shared memory and no
+    portable cluster's: no forward takes one (8 CTAs hold every forward row up to 524288), nor a backward
+    that 8 CTAs serve, nor a backward too wide for 16 CTAs' shared memory (HEAD's last resorts stay)."""
+    for n in (131072, 196608, 262144, 393216, 524288):
+        fwd = dispatch.heuristic(hidden_size=n, input_dtype="bfloat16")
+        assert fwd.ctas_per_row <= 8, fwd.short()
+    for n in (131072, 196608):
+        assert dispatch.heuristic(hidden_size=n, input_dtype="bfloat16", backward=True).ctas_per_row <= 8
+    wide = dispatch.heuristic(hidden_size=524288, input_dtype="bfloat16", backward=True)
+    assert wide.ctas_per_row <= 8, wide.short()
+    t = dispatch.heuristic(hidden_size=262144, input_dtype="bfloat16", backward=True, arch=100)
+    assert t.ctas_per_row <= 8, t.short()
+
+
+def test_a_sixteen_cta_kernel_is_allowed_its_cluster(monkeypatch):
+    """compiler._allow_non_portable_cluster sets CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED (14) to 1
+    on the loaded function (the driver refuses a 16-CTA cluster's occupancy query and launch without it)."""
+    from types import SimpleNamespace
+
+    from cunorm import compiler
+
+    calls = []
+
+    class Driver:
+        def cuFuncSetAttribute(self, fn, attribute, value):
+            calls.append((fn.value, attribute, value))
+            return 0
+
+    monkeypatch.setattr(compiler, "_driver", lambda: Driver())
+    compiler._allow_non_portable_cluster(SimpleNamespace(kernel=SimpleNamespace(ptr=1234)))
+    assert calls == [(1234, 14, 1)]

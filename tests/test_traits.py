@@ -24,7 +24,7 @@ def test_derived_quantities_match_the_kernel_formulas():
     (dict(bytes_per_ldg=12), "BYTES_PER_LDG must be 2, 4, 8 or 16"),
     (dict(input_dtype="float32", bytes_per_ldg=2), "whole input elements"),
     (dict(hidden_size=1028), "multiple of the elements per load"),
-    (dict(ctas_per_row=3), "CTAS_PER_ROW must be 1, 2, 4 or 8"),
+    (dict(ctas_per_row=3), "CTAS_PER_ROW must be 1, 2, 4, 8"),
     (dict(ctas_per_row=2, warps_m=2), "WARPS_M == 1"),
     (dict(warps_m=16, warps_n=2), "WARPS_M < 16"),
     (dict(warps_n=1, hidden_size=8192), "register budget"),
@@ -497,3 +497,65 @@ def test_half_precision_rows_are_not_refined():
     assert not t.refine_mean and t.template_values()["REFINE_MEAN"] == "false"
     assert Traits(hidden_size=4096, input_dtype="float32").template_values()["REFINE_MEAN"] == "true"
     assert Traits(hidden_size=4096, input_dtype="float32", backward=True).template_values()["REFINE_MEAN"] == "true"
+
+
+def test_a_sixteen_cta_pick_this_gpu_holds_no_cluster_of_runs_within_portable_clusters(monkeypatch):
+    """The heuristic's 2-byte backward at 262144 spans a 16-CTA (non-portable) cluster; on a GPU that holds
+    none (the occupancy query finds no such cluster: ClusterNotResident where the kernels load), the GPU path
+    runs the heuristic's pick within 8-CTA clusters, and says so; where one is resident, the pick runs."""
+    from types import SimpleNamespace
+
+    from cunorm import plan
+    from cunorm.compiler import ClusterNotResident
+    from cunorm.norm import plans
+
+    call = check.case_call(check.Case("rms_norm_backward", 262144, 3, "bfloat16", "bfloat16", has_bias=False))
+    pick, origin = dispatch.choose(arch=90, **call)
+    assert pick.ctas_per_row == 16 and origin == dispatch.HEURISTIC
+    portable = dispatch.fallback(90, **call)
+    assert portable.ctas_per_row == 8
+
+    def no_sixteen(t):
+        if t.ctas_per_row > 8:
+            raise ClusterNotResident("no 16-CTA cluster fits")
+        return False
+
+    assert dispatch.without_spills(pick, origin, no_sixteen, 90, **call) == (portable, dispatch.PORTABLE_FALLBACK)
+    assert dispatch.without_spills(pick, origin, lambda t: False, 90, **call) == (pick, origin)
+    monkeypatch.setattr(plan, "device_arch", lambda device_id: 90)
+    monkeypatch.setattr(plan, "device_gpu", lambda device_id: None)
+
+    def gpu_runs(resident: bool):
+        def kernels_for(t, device_id, source=None):
+            if t.ctas_per_row > 8 and not resident:
+                raise ClusterNotResident("no 16-CTA cluster fits")
+            return {"k": SimpleNamespace(local_bytes=0)}
+
+        monkeypatch.setattr(plan, "kernels_for", kernels_for)
+        plan.forget_choices()
+        try:
+            return plan.resolve(plans.Family, None, call, 0)[0]
+        finally:
+            plan.forget_choices()
+
+    assert gpu_runs(resident=False) == portable and gpu_runs(resident=True) == pick
+
+
+def test_only_sixteen_cta_clusters_raise_cluster_not_resident(monkeypatch):
+    """compiler._resident_clusters: no resident cluster of a non-portable size is ClusterNotResident (dispatch
+    falls back), of a portable one a plain RuntimeError (a fault, not a GPU's shape)."""
+    from types import SimpleNamespace
+
+    from cunorm import compiler
+
+    class Driver:
+        def cuOccupancyMaxActiveClusters(self, count, fn, config):
+            return 0  # CUDA_SUCCESS, count left at 0
+
+    monkeypatch.setattr(compiler, "_driver", lambda: Driver())
+    fn = SimpleNamespace(kernel=SimpleNamespace(ptr=1234))
+    with pytest.raises(compiler.ClusterNotResident, match="16-CTA clusters"):
+        compiler._resident_clusters(fn, 512, 1024, 16, 132)
+    with pytest.raises(RuntimeError, match="8-CTA clusters") as e:
+        compiler._resident_clusters(fn, 512, 1024, 8, 132)
+    assert not isinstance(e.value, compiler.ClusterNotResident)

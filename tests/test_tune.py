@@ -172,6 +172,18 @@ def test_candidates_are_the_kernels_dispatch_would_run_for_the_key():
     assert before_clusters and not any(t.ctas_per_row > 1 for t in before_clusters)
 
 
+def test_sixteen_cta_candidates_are_those_dispatch_offers():
+    """16-CTA (non-portable) clusters: tried for sm_90 backwards whose column sums then fit shared memory, as
+    dispatch offers them; never for forwards, other GPUs or rows whose sums would not fit."""
+    from cunorm import dispatch
+
+    wide = tune.candidates(262144, "bfloat16", True)
+    sixteen = [t for t in wide if t.ctas_per_row == 16]
+    assert sixteen and all(dispatch.non_portable_cluster_serves(t, 90) for t in sixteen)
+    assert not any(t.ctas_per_row == 16 for t in tune.candidates(262144, "bfloat16", False))
+    assert not any(t.ctas_per_row == 16 for t in tune.candidates(262144, "bfloat16", True, arch=100))
+    assert not any(t.ctas_per_row == 16 for t in tune.candidates(524288, "bfloat16", True))
+
 
 def test_refinements_are_what_dispatch_runs_for_a_late_dgamma_backward():
     """A late-dgamma backward (fp32 LayerNorm, 16-byte vectors) keeps dispatch's register cap among the extras:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .. import dispatch, dtypes, layout, plan, scratch
+from ..compiler import ClusterNotResident
 from ..launch import CallPlan, Launch, Output, span
 from ..traits import QUANT_GROUP_COLS, Traits
 from .calls import BACKWARD, BRANCH_ARRAYS, FORWARD, Direction
@@ -35,8 +36,11 @@ class Family:
     def without_spills(pick: Traits, spills, arch: int, gpu=None, **call) -> Traits:
         """What runs a call whose dispatch pick is `pick` (`choose`'s, same arguments), given `spills(traits)`
         (dispatch.without_spills)."""
-        if not spills(pick):  # most calls: nothing to replace, and no second dispatch for the pick's origin
-            return pick
+        try:
+            if not spills(pick):  # most calls: nothing to replace, and no second dispatch for the pick's origin
+                return pick
+        except ClusterNotResident:  # dispatch.without_spills replaces it
+            pass
         origin = dispatch.choose(arch=arch, gpu=gpu, **call)[1]
         return dispatch.without_spills(pick, origin, spills, arch, **call)[0]
 

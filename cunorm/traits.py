@@ -37,11 +37,11 @@ CTAS_PER_ROW_CHOICES = (1, 2, 4, 8, 16)
 MIN_ARCH = 80  # cp.async and the bf16/f16x2 conversion instructions
 # The independent knobs: launch shape and research levers (what tuning varies and `traits=` may force).
 KNOBS = ("warps_m", "warps_n", "ctas_per_row", "bytes_per_ldg", "stages", "cache_weights", "min_ctas_per_sm",
-         "smem_accumulators", "recompute", "lanes_per_row", "persistent")
+         "smem_accumulators", "recompute", "lanes_per_row", "persistent", "merged_moments")
 # What a knob left out takes when others are given (`traits=` mappings, the tuner).
 KNOB_DEFAULTS = dict(warps_m=1, warps_n=1, ctas_per_row=1, bytes_per_ldg=16, stages=2, cache_weights=True,
                      min_ctas_per_sm=1, smem_accumulators=False, recompute=True, lanes_per_row=THREADS_PER_WARP,
-                     persistent=True)
+                     persistent=True, merged_moments=False)
 LATE_DGAMMA_MAX_ELTS = 16  # see Traits.late_dgamma
 REFINE_MIN_OFFSET = 4.0  # REFINE_MEAN refines rows whose mean lies this many std or more from zero
 LANES_PER_ROW = (4, 8, 16, 32)  # lanes of a warp sharing a row: below 32, a warp holds several (short) rows
@@ -96,6 +96,9 @@ class Traits:
       (True), or (forward, stages == 1) a CTA for every row group, each
       reading its rows straight into registers and exiting (the hardware
       scheduler then overlaps one CTA's reductions with the next one's loads).
+    merged_moments: (LayerNorm forward, ctas_per_row > 1) the mean and the squared deviations in one
+      exchange across the cluster (each CTA's sum, count, and squared and plain deviations about its own
+      mean, merged) instead of the two-pass sums' two (a cluster barrier fewer a row).
     has_weight / has_bias: whether gamma / beta are present.
     rms: RMSNorm (no mean) rather than LayerNorm; with has_bias, y = xhat * w + b.
     has_residual: forward: x + residual is normalized and stored; backward:
@@ -160,6 +163,7 @@ class Traits:
     recompute: bool | None = None
     lanes_per_row: int | None = None
     persistent: bool | None = None
+    merged_moments: bool | None = None
     has_weight: bool = True
     has_bias: bool = True
     rms: bool = False
@@ -471,6 +475,8 @@ class Traits:
         rule(self.smem_bytes <= SMEM_LIMIT[90], f"{self.smem_bytes} bytes of shared memory exceed 227 KB")
         rule(self.backward or not self.smem_accumulators, "smem_accumulators is a backward knob")
         rule(self.backward or self.recompute, "recompute is a backward knob")
+        rule(not self.merged_moments or (not self.backward and not self.rms and self.ctas_per_row > 1),
+             "merged_moments is a knob of LayerNorm forwards of cluster rows (ctas_per_row > 1)")
 
     def check_arch(self, arch: int):
         """Rules that depend on the GPU: sm_80 or newer; clusters need sm_90;
@@ -518,7 +524,7 @@ class Traits:
                 f"MIN_CTAS_PER_SM={self.min_ctas_per_sm}" + (" SMEM_ACCUMULATORS=1" if self.smem_accumulators else "")
                 + ("" if self.recompute else " RECOMPUTE=0")
                 + ("" if self.lanes_per_row == THREADS_PER_WARP else f" LANES_PER_ROW={self.lanes_per_row}")
-                + ("" if self.persistent else " PERSISTENT=0"))
+                + ("" if self.persistent else " PERSISTENT=0") + (" MERGED_MOMENTS=1" if self.merged_moments else ""))
 
     def knobs(self) -> dict:
         return {k: getattr(self, k) for k in KNOBS}
@@ -552,6 +558,7 @@ class Traits:
             "ZERO_CENTERED": "true" if self.zero_centered else "false",
             "LATE_DGAMMA": "true" if self.dgamma_after_reduction else "false",
             "REFINE_MEAN": "true" if self.refine_mean else "false",
+            "MERGED_MOMENTS": "true" if self.merged_moments else "false",
             "REFINE_MIN_OFFSET": f"{REFINE_MIN_OFFSET!r}f",
             "ALIGNED_ROWS": "true" if self.aligned_rows else "false",
             "ROW_AXES": self.row_axes,

@@ -190,9 +190,10 @@ def _extras(backward: bool):
 
 def refinements(shape: Traits, arch: int = 90) -> list:
     """Phase 1, on a fast shape: the extras (stages, register cap, weight caching, shared-memory sums); an
-    unstaged forward's: its register caps, with weights held or re-read."""
+    unstaged forward's: its register caps, with weights held or re-read; a LayerNorm forward of cluster rows
+    each of them with merged moments too."""
     if not shape.persistent:
-        return _unstaged(shape, UNSTAGED_CAPS, arch, caches=(False, True))
+        return _with_merged_moments(_unstaged(shape, UNSTAGED_CAPS, arch, caches=(False, True)))
     from .dispatch import _late_dgamma_registers
 
     out = []
@@ -206,6 +207,17 @@ def refinements(shape: Traits, arch: int = 90) -> list:
             continue
         if t.register_cap >= 64 and t not in out:  # a cap below 64 registers only spills
             out.append(t)
+    return _with_merged_moments(out)
+
+
+def _with_merged_moments(refined: list) -> list:
+    """The refinements, and those of LayerNorm forwards of cluster rows again with merged moments."""
+    out = list(refined)
+    for t in refined:
+        try:
+            out.append(t.replace(merged_moments=True))
+        except ValueError:  # not such a forward
+            pass
     return out
 
 

@@ -123,7 +123,7 @@ norm_fwd(const input_t* x, const residual_t* residual, const weight_t* __restric
   using ResVec = Vec<residual_t, ELTS_PER_LDG>;
   using SumVec = Vec<compute_t, ELTS_PER_LDG>;
   const Coords at(x, ldx);
-  CN_ROW_REDUCER(1, reducer);
+  CN_ROW_REDUCER(4, reducer);  // merged moments exchange 4 values (compiled, if dead, in every forward)
   CN_DYNAMIC_SMEM(smem);
 
   unsigned char* next = smem;
@@ -208,24 +208,48 @@ norm_fwd(const input_t* x, const residual_t* residual, const weight_t* __restric
     };
 
     compute_t mean = 0;
+    // The row's sum (padding holds 0); MERGED_MOMENTS: the CTA's sum and its count of row elements.
+    compute_t sum[MERGED_MOMENTS ? 2 : 1] = {0};
     if constexpr (!RMS) {
-      compute_t sum[1] = {0};
 #pragma unroll
       for (int it = 0; it < LDGS; ++it)
 #pragma unroll
         for (int e = 0; e < ELTS_PER_LDG; ++e) sum[0] += value(it, e);
-      reducer.allreduce(sum, at);
-      // REFINE_MEAN: rounded on its own, or ptxas fuses it into every h - mean (an FMA with the exact
-      // product), and a row of one value would not sum its deviations exactly (y = beta bit for bit).
-      mean = REFINE_MEAN ? cn_mul_rn(sum[0], inv_cols) : sum[0] * inv_cols;
+      if constexpr (MERGED_MOMENTS) {
+        with_edges(at, [&](auto edges) {
+#pragma unroll
+          for (int it = 0; it < LDGS; ++it) {
+            if (!at.in_row(it)) continue;
+            if (whole<decltype(edges)::value>(it, at)) {
+              sum[1] += ELTS_PER_LDG;
+            } else {
+#pragma unroll
+              for (int e = 0; e < ELTS_PER_LDG; ++e) sum[1] += at.valid(it, e) ? 1 : 0;
+            }
+          }
+        });
+        reducer.template allreduce<false, false>(sum, at);
+        mean = sum[1] > 0 ? sum[0] / sum[1] : compute_t(0);  // the CTA's: its deviations' centre
+      } else {
+        reducer.allreduce(sum, at);
+        // REFINE_MEAN: rounded on its own, or ptxas fuses it into every h - mean (an FMA with the exact
+        // product), and a row of one value would not sum its deviations exactly (y = beta bit for bit).
+        mean = REFINE_MEAN ? cn_mul_rn(sum[0], inv_cols) : sum[0] * inv_cols;
+      }
     }
     // The sum of squared deviations (RMSNorm: of h), each multiplied by SCALE first; with SQUARE false the sum
     // of the deviations themselves. Squares below fp32's smallest normal are kept (the kernels build with
-    // -ftz=true: a thread's first square would be lost).
-    auto sum_deviations = [&](auto scale, auto square, auto row_only, compute_t (&total)[1]) {
+    // -ftz=true: a thread's first square would be lost). ACROSS_CLUSTER false: over the CTA's part of the row.
+    // With two totals (SQUARE), the second sums the deviations themselves too.
+    auto sum_deviations = [&](auto scale, auto square, auto row_only, auto across_cluster, auto& total) {
       constexpr compute_t SCALE = decltype(scale)::value;
       constexpr bool SQUARE = decltype(square)::value;
-      auto add = [&](compute_t d) { total[0] = SQUARE ? cn_fma_keep_subnormal(d, d, total[0]) : total[0] + d; };
+      constexpr bool BOTH = sizeof(total) == 2 * sizeof(compute_t);
+      static_assert(!BOTH || SQUARE, "deviations beside their squares");
+      auto add = [&](compute_t d) {
+        total[0] = SQUARE ? cn_fma_keep_subnormal(d, d, total[0]) : total[0] + d;
+        if constexpr (BOTH) total[BOTH] += d;
+      };
       with_edges(at, [&](auto edges) {
         constexpr bool EDGES = decltype(edges)::value;
 #pragma unroll
@@ -244,10 +268,39 @@ norm_fwd(const input_t* x, const residual_t* residual, const weight_t* __restric
           }
         }
       });
-      reducer.template allreduce<decltype(row_only)::value>(total, at);
+      reducer.template allreduce<decltype(row_only)::value, decltype(across_cluster)::value>(total, at);
     };
     compute_t sq[1] = {0};
-    sum_deviations(PowerOfTwo<0>(), Flag<true>(), Flag<false>(), sq);
+    if constexpr (MERGED_MOMENTS) {
+      // One cluster exchange for both moments: each CTA's sum, count, and squared deviations S2 and
+      // deviations D about its own mean c (rounded: D holds what rounding left). About the row's mean m,
+      // sum (h - m)^2 = sum over CTAs of S2 + 2 (c - m) D + n (c - m)^2, taken with every c - m as
+      // (c - c0) - (m - c0), c0 rank 0's mean: differences of nearby values, no E[h^2] - E[h]^2 cancellation.
+      // The row's sum adds the CTAs' sums in rank order, as a plain cluster sum does.
+      compute_t dev[2] = {0, 0};
+      sum_deviations(PowerOfTwo<0>(), Flag<true>(), Flag<false>(), Flag<false>(), dev);
+      const compute_t mine[4] = {sum[0], sum[1], dev[0], dev[1]};
+      compute_t total = 0, within = 0, first_mean = 0, n_a = 0, n_a2 = 0, a_d = 0, d_sum = 0;
+      reducer.each_cta(mine, [&](int r, const compute_t (&cta)[4]) {
+        const compute_t count = cta[1];
+        const compute_t a = count > 0 ? cta[0] / count : compute_t(0);  // c, as that CTA took it
+        if (r == 0) first_mean = a;
+        const compute_t shifted = count > 0 ? a - first_mean : compute_t(0);
+        total += cta[0];
+        within += cta[2];
+        n_a += count * shifted;
+        n_a2 += count * shifted * shifted;
+        a_d += shifted * cta[3];
+        d_sum += cta[3];
+      });
+      mean = REFINE_MEAN ? cn_mul_rn(total, inv_cols) : total * inv_cols;
+      const compute_t b = mean - first_mean;
+      // sum n (a - b)^2 + 2 (a - b) D, a = c - c0: the spread of the CTAs' means about the row's
+      const compute_t between = n_a2 - 2 * b * n_a + compute_t(COLS) * b * b + 2 * (a_d - b * d_sum);
+      sq[0] = within + (between < 0 ? compute_t(0) : between);  // NaN stays NaN (a non-finite row)
+    } else {
+      sum_deviations(PowerOfTwo<0>(), Flag<true>(), Flag<false>(), Flag<true>(), sq);
+    }
     // A row holding inf or NaN has a sum of squares that is not finite: all of its outputs, mean and rstd
     // included, are NaN (documented; RMSNorm would otherwise give rstd = 0 and zeros beside the NaN).
     bool finite = cn_isfinite(sq[0]);
@@ -260,7 +313,7 @@ norm_fwd(const input_t* x, const residual_t* residual, const weight_t* __restric
       // fp32's smallest normal (std past 2^126), which -ftz=true flushes to 0, stay NaN.
       if (reducer.row_group_any(!finite)) {
         compute_t scaled[1] = {0};
-        sum_deviations(PowerOfTwo<-96>(), Flag<true>(), Flag<true>(), scaled);
+        sum_deviations(PowerOfTwo<-96>(), Flag<true>(), Flag<true>(), Flag<true>(), scaled);
         constexpr compute_t UNSCALE = PowerOfTwo<-96>::value;  // var + eps = (scaled/N + eps UNSCALE^2) / UNSCALE^2
         const compute_t r = cn_rsqrt(scaled[0] * inv_cols + eps * UNSCALE * UNSCALE);
         if (!finite && cn_isfinite(scaled[0]) && r >= PowerOfTwo<-30>::value) {
@@ -281,8 +334,15 @@ norm_fwd(const input_t* x, const residual_t* residual, const weight_t* __restric
       const bool offset = mean != compute_t(0) && cn_isfinite(sq[0]) &&
                           mean * mean * compute_t(COLS) >= REFINE_MIN_OFFSET * REFINE_MIN_OFFSET * sq[0];
       if (reducer.reduction_group_any(offset)) {
+        // MERGED_MOMENTS: such rows' squared deviations again, two-pass about the row's mean (a row of one
+        // value then gets a variance of exactly 0 below: y = beta bit for bit).
+        if constexpr (MERGED_MOMENTS) {
+          compute_t again[1] = {0};
+          sum_deviations(PowerOfTwo<0>(), Flag<true>(), Flag<false>(), Flag<true>(), again);
+          if (offset) sq[0] = again[0];
+        }
         compute_t dev[1] = {0};
-        sum_deviations(PowerOfTwo<0>(), Flag<false>(), Flag<false>(), dev);
+        sum_deviations(PowerOfTwo<0>(), Flag<false>(), Flag<false>(), Flag<true>(), dev);
         if (offset) {
           corr = (COLS & (COLS - 1)) == 0 ? dev[0] * inv_cols : cn_div_rn(dev[0], compute_t(COLS));
           rstd = cn_rsqrt(fmax(sq[0] * inv_cols - corr * corr, compute_t(0)) + eps);

@@ -33,6 +33,9 @@ constexpr bool ZERO_CENTERED = ${ZERO_CENTERED};  // the weight multiplies as (1
 // 4 std. Half-precision rows carry too few bits for it to matter.
 constexpr bool REFINE_MEAN = ${REFINE_MEAN};
 constexpr float REFINE_MIN_OFFSET = ${REFINE_MIN_OFFSET};
+// A LayerNorm forward of a cluster row: its mean and squared deviations in one cluster exchange (norm_fwd.cu).
+constexpr bool MERGED_MOMENTS = ${MERGED_MOMENTS};
+static_assert(!MERGED_MOMENTS || (!RMS && CTAS_PER_ROW > 1), "merged moments are a LayerNorm cluster row's");
 // Every row starts on a vector boundary and is whole vectors long. Otherwise
 // (the general kernel) a row is read in the aligned frame around it: vector v
 // of a row covers the elements [v * E - shift, (v + 1) * E - shift), where
@@ -517,13 +520,15 @@ __device__ __forceinline__ void row_barrier(int warp_m) {
 // Two scratch buffers alternate: a buffer is rewritten only after a later
 // barrier that every reader of its previous contents has passed. Each warp row
 // reads and writes only its own slots, so its parity is its own (a row-only
-// reduction flips it for that warp row alone).
+// reduction flips it for that warp row alone); the CTAs' slots alternate with
+// cluster exchanges only (a CTA-only reduction has no cluster barrier).
 template <int K, bool MAX = false>  // MAX: the maximum of non-negative values (fp8 scaling) instead of the sum
 struct RowReducer {
   static constexpr int EVEN_K = K > 1 ? K + (K & 1) : 1;  // a CTA's partials, padded for paired remote loads
   compute_t (*warp_partials)[WARPS_M][WARPS_N][K];
   compute_t (*cta_partials)[EVEN_K];
   int parity = 0;
+  int cluster_parity = 0;
 
   __device__ __forceinline__ RowReducer(compute_t (*warps)[WARPS_M][WARPS_N][K], compute_t (*ctas)[EVEN_K])
       : warp_partials(warps), cta_partials(ctas) {}
@@ -538,8 +543,8 @@ struct RowReducer {
   }
 
   // ROW_ONLY: the threads of other rows of the CTA need not take part (its barrier is the row's own warps').
-  // J values (the first J of the scratch's K).
-  template <bool ROW_ONLY = false, int J>
+  // ACROSS_CLUSTER false: the CTA's part of the row only. J values (the first J of the scratch's K).
+  template <bool ROW_ONLY = false, bool ACROSS_CLUSTER = true, int J>
   __device__ __forceinline__ void allreduce(compute_t (&v)[J], const Coords& at) {
     static_assert(J >= 1 && J <= K, "RowReducer::allreduce: 1 to K values");
 #pragma unroll
@@ -559,33 +564,40 @@ struct RowReducer {
         v[k] = s;
       }
     }
-    if constexpr (CTAS_PER_ROW > 1) {
-      if (threadIdx.x == 0) {
-#pragma unroll
-        for (int k = 0; k < J; ++k) cta_partials[parity][k] = v[k];
-      }
-      cluster_sync();
-      // Each peer's values in pairs (one remote load for two; the scratch rows are padded to even K), added
-      // rank by rank in the same order for every value.
+    parity ^= 1;
+    if constexpr (CTAS_PER_ROW > 1 && ACROSS_CLUSTER) {
       compute_t s[J] = {};
+      each_cta(v, [&](int, const compute_t (&peer)[J]) {
 #pragma unroll
-      for (int r = 0; r < CTAS_PER_ROW; ++r) {
-#pragma unroll
-        for (int k = 0; k < J; k += 2) {
-          if (k + 1 < J) {
-            compute_t a, b;
-            load_cluster_shared_pair(&cta_partials[parity][k], r, a, b);
-            s[k] = combine(s[k], a);
-            s[k + 1] = combine(s[k + 1], b);
-          } else {
-            s[k] = combine(s[k], load_cluster_shared(&cta_partials[parity][k], r));
-          }
-        }
-      }
+        for (int k = 0; k < J; ++k) s[k] = combine(s[k], peer[k]);
+      });
 #pragma unroll
       for (int k = 0; k < J; ++k) v[k] = s[k];
     }
-    parity ^= 1;
+  }
+
+  // Publishes this CTA's J values (the same in every thread) to its cluster and calls f(rank, values) for
+  // the values of every CTA of the row, rank by rank (the same order in every thread: the same bits).
+  template <int J, typename F>
+  __device__ __forceinline__ void each_cta(const compute_t (&v)[J], F&& f) {
+    static_assert(CTAS_PER_ROW > 1 && J >= 1 && J <= K, "RowReducer::each_cta: a cluster, 1 to K values");
+    if (threadIdx.x == 0) {
+#pragma unroll
+      for (int k = 0; k < J; ++k) cta_partials[cluster_parity][k] = v[k];
+    }
+    cluster_sync();
+    // Each peer's values in pairs (one remote load for two; the scratch rows are padded to even K).
+#pragma unroll
+    for (int r = 0; r < CTAS_PER_ROW; ++r) {
+      compute_t peer[J];
+#pragma unroll
+      for (int k = 0; k < J; k += 2) {
+        if (k + 1 < J) load_cluster_shared_pair(&cta_partials[cluster_parity][k], r, peer[k], peer[k + 1]);
+        else peer[k] = load_cluster_shared(&cta_partials[cluster_parity][k], r);
+      }
+      f(r, peer);
+    }
+    cluster_parity ^= 1;
   }
 
   // Whether `flag`, the same for every thread of a row, holds for any row that shares this row's shuffles

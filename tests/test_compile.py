@@ -251,3 +251,18 @@ def test_a_sixteen_cta_kernel_is_allowed_its_cluster(monkeypatch):
     monkeypatch.setattr(compiler, "_driver", lambda: Driver())
     compiler._allow_non_portable_cluster(SimpleNamespace(kernel=SimpleNamespace(ptr=1234)))
     assert calls == [(1234, 14, 1)]
+
+
+@pytest.mark.parametrize("dtype, residual", [("bfloat16", None), ("bfloat16", "float32"), ("float32", None)])
+def test_merged_moments_compile_clean_where_the_two_pass_shape_does(dtype, residual):
+    """merged_moments adds two values to a row's CTA sums and one exchange's worth of registers: LayerNorm
+    forwards of cluster rows that compile clean without it compile clean with it (aligned and general rows)."""
+    for n in (12288, 65537, 131072):
+        call = dict(hidden_size=n, input_dtype=dtype, has_residual=residual is not None, residual_dtype=residual)
+        for ctas in (2, 8):
+            try:
+                t = dispatch.choose(arch=90, tuned=False, **call)[0].replace(ctas_per_row=ctas, warps_m=1)
+            except ValueError:
+                continue
+            if compile_only(t, 90).clean:
+                assert compile_only(t.replace(merged_moments=True), 90).clean, t.short()

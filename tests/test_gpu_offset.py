@@ -243,3 +243,39 @@ def test_fp8_outputs_of_offset_rows_round_as_float64s(rng):
     np.testing.assert_allclose(cupy.asnumpy(scales), scales_ref, rtol=1e-5)
     differ = cupy.asnumpy(bits) != q_ref.view(np.uint8)
     assert differ.mean() <= 1e-3, differ.mean()
+
+
+@pytest.mark.parametrize("n", [12288, 32768, 65537, 131072])
+def test_merged_moments_keep_offset_constant_and_huge_rows_exact(n, rng, poisoned):
+    """LayerNorm forwards of cluster rows with merged_moments (one cluster exchange for mean and variance):
+    fp32 rows of mean 1e4 and std 1 within the offset tolerances, rows of one value give the bias bit for bit,
+    rows scaled by 1e19 (their squares overflow fp32) and ordinary rows within float64's tolerance."""
+    import cupy
+
+    knobs = dict(ctas_per_row=8, warps_n=4 if n <= 16384 else 16, stages=1, cache_weights=False,
+                 merged_moments=True)
+    m = 40
+    kind = rng.integers(0, 4, size=(m, 1))  # offset, one value, scaled by 1e19, ordinary: beside each other
+    kind[:4, 0] = np.arange(4)
+    offsets = rng.choice([-1.0, 1.0], size=(m, 1)) * rng.uniform(0.5e4, 1.5e4, size=(m, 1))
+    noise = rng.standard_normal((m, n))
+    rows = np.where(kind == 0, offsets + noise, np.where(kind == 1, offsets, np.where(kind == 2, 1e19 * noise,
+                                                                                       0.5 + 2.0 * noise)))
+    x = rows.astype(np.float32)
+    w = (1 + 0.5 * rng.standard_normal(n)).astype(np.float32)
+    b = rng.standard_normal(n).astype(np.float32)
+    y, mean, rstd = cunorm.layer_norm(cupy.asarray(x), cupy.asarray(w), cupy.asarray(b), return_stats=True,
+                                      out=poisoned((m, n)), traits=knobs)
+    y_ref, mean_ref, rstd_ref = reference.layer_norm(x.astype(np.float64), w, b, 1e-5)
+    for k, name in enumerate(("offset", "one value", "scaled by 1e19", "ordinary")):
+        at = cupy.asarray(kind[:, 0] == k)
+        sel = kind[:, 0] == k
+        if name == "one value":
+            assert cupy.array_equal(y[at], cupy.asarray(np.broadcast_to(b, (int(sel.sum()), n)))), name
+            assert cupy.array_equal(mean[at], cupy.asarray(x[sel, 0])), name
+        else:
+            assert check.rel_l2(y[at], y_ref[sel]) <= OFFSET_TOLERANCE, name
+            # the mean of a row far from zero within 2e-7 of itself; of the others (summed to much less than
+            # their values) within 2e-6, as tests/test_gpu_range.py has them
+            assert check.rel_l2(mean[at], mean_ref[sel]) <= (2e-7 if name == "offset" else 2e-6), name
+        assert check.rel_l2(rstd[at], rstd_ref[sel]) <= 1e-6, name

@@ -36,6 +36,8 @@ def test_derived_quantities_match_the_kernel_formulas():
     (dict(lanes_per_row=8, warps_n=1, hidden_size=128, output_dtype="float8_e4m3fn", quant="group"),
      "a group's lanes within a row's"),
     (dict(smem_accumulators=True), "backward knob"),
+    (dict(merged_moments=True), "LayerNorm forwards of cluster rows"),
+    (dict(merged_moments=True, ctas_per_row=2, rms=True), "LayerNorm forwards of cluster rows"),
     (dict(hidden_size=0), "positive"),
 ])
 def test_illegal_traits_name_the_rule(changes, rule):

@@ -198,6 +198,25 @@ def test_refinements_are_what_dispatch_runs_for_a_late_dgamma_backward():
     assert all(dispatch._late_dgamma_registers(t) == t for t in extras) and len(set(extras)) == len(extras)
 
 
+def test_layer_norm_cluster_forwards_are_refined_with_merged_moments_too():
+    """Each refinement of a LayerNorm forward of cluster rows (staged or unstaged) is tried again with
+    merged_moments; RMSNorm, backwards and one-CTA rows never."""
+    from cunorm import dispatch
+
+    for n, unstaged in ((65536, False), (131072, True)):
+        shape = dispatch.choose(hidden_size=n, input_dtype="float32", tuned=False)[0]
+        shape = shape.replace(persistent=False, stages=1) if unstaged else shape
+        extras = tune.refinements(shape)
+        plain = [t for t in extras if not t.merged_moments]
+        assert shape.ctas_per_row > 1 and plain
+        assert sorted(t.short() for t in extras if t.merged_moments) == sorted(
+            t.replace(merged_moments=True).short() for t in plain)
+    for call in (dict(hidden_size=65536, rms=True), dict(hidden_size=65536, backward=True),
+                 dict(hidden_size=4096)):
+        shape = dispatch.choose(input_dtype="float32", tuned=False, **call)[0]
+        assert not any(t.merged_moments for t in tune.refinements(shape)), call
+
+
 def test_forward_candidates_include_each_shape_unstaged_at_both_screening_caps():
     """Every forward shape, cluster shapes included, is also screened unstaged at each of
     UNSTAGED_SCREEN_CAPS with weights held and re-read (one cap and held weights alone dropped LayerNorm
@@ -452,6 +471,7 @@ def test_what_dispatch_runs_today_competes(gpu):
     table.put(key, incumbent, ms=1.0, fraction_of_copy=0.5, spread=[0.5, 0.5], dtype="bfloat16", measured_n=1024)
     tables.save(table)
     assert run_tune("--sizes", "1024", "--ops", "fwd", "--fresh").exit_code == 0
-    # A table entry written before a knob existed (lanes_per_row, persistent here) is timed with that knob's
-    # default.
-    assert frozen({**incumbent, "lanes_per_row": 32, "persistent": True}) in gpu.timed_knobs(key, 1024, "bfloat16")
+    # A table entry written before a knob existed (lanes_per_row, persistent, merged_moments here) is timed with
+    # that knob's default.
+    assert frozen({**incumbent, "lanes_per_row": 32, "persistent": True, "merged_moments": False}) in gpu.timed_knobs(
+        key, 1024, "bfloat16")

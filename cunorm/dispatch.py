@@ -131,7 +131,8 @@ def choose(*, arch: int = CLUSTER_MIN_ARCH, tuned: bool = True, gpu=None, unstag
     65536 entries read 0.44-0.68 of copy at 65537, the literal's general
     ones 0.69-0.78). tuned=False: the heuristic only; unstaged=False:
     without the heuristic's unstaged forward; portable_clusters=True: without
-    its 16-CTA clusters.
+    the heuristic's 16-CTA clusters (a measured entry of 16 CTAs is still
+    returned: `without_spills` replaces it where the GPU holds none).
     Measured knobs or an unstaged forward that compile with spills for the
     call's dtype mix are replaced by a `fallbacks` pick where they are compiled
     (`plan`, `check.case_kernels`): spills are known only then."""
@@ -464,8 +465,9 @@ def heuristic(*, hidden_size: int, input_dtype: str, elts_per_ldg: int | None = 
                 best, best_cost = t, cost
     if best is None:
         raise ValueError(f"x: hidden size {hidden_size} ({input_dtype}, {'backward' if backward else 'forward'}) "
-                         f"does not fit the register-resident kernel on sm_{arch} (at most 16 CTAs of a "
-                         f"cluster on sm_90, one CTA before it)")
+                         f"does not fit the register-resident kernel on sm_{arch} (at most 8 CTAs of a "
+                         f"cluster from sm_90, 16 for sm_90 backwards whose column sums then fit shared memory; "
+                         f"one CTA before sm_90)")
     # Wide CTAs get few registers per thread: there, weights are re-read instead
     # of held, and the backward keeps its column sums in shared memory.
     # (A second weight doubles the column sums: they go to shared memory too.)

@@ -140,9 +140,13 @@ def explain(op, *args, arch: int | str | None = None, **kwargs) -> Explanation:
                        f"registers a thread so that many CTAs share an SM (no persistent grid); if it compiles "
                        f"with spills for this dtype mix, the staged heuristic's pick runs instead")
     if t.ctas_per_row > PORTABLE_CLUSTER:
-        reasons.append(f"a {t.ctas_per_row}-CTA (non-portable) cluster a row: its column sums fit shared memory "
-                       f"across {t.ctas_per_row} CTAs, not across {PORTABLE_CLUSTER}; on a GPU that holds no such "
-                       f"cluster, the heuristic's pick within {PORTABLE_CLUSTER}-CTA clusters runs instead")
+        why = (f"the heuristic takes one where the column sums fit shared memory across {t.ctas_per_row} CTAs but "
+               f"not across {PORTABLE_CLUSTER}" if origin == dispatch.HEURISTIC else f"from the {origin}")
+        reasons.append(f"a {t.ctas_per_row}-CTA (non-portable) cluster a row ({why}); on a GPU that holds no "
+                       f"such cluster, " + ("the call fails to load (the caller's traits run as given)"
+                                            if origin == dispatch.CALLER else
+                                            f"the heuristic's pick within {PORTABLE_CLUSTER}-CTA clusters runs "
+                                            f"instead"))
     path = path_of(t, p.base["max_vector"]) if on_gpu else "reference"
     return Explanation(name, path, t, origin, tuple(reasons), arch)
 

@@ -424,7 +424,8 @@ class Traits:
              f"aligned rows must be whole vectors long: the hidden size must be a multiple of the elements per "
              f"load ({self.elts_per_ldg})")
         rule(self.ctas_per_row in CTAS_PER_ROW_CHOICES,
-             "CTAS_PER_ROW must be 1, 2, 4, 8 (a portable cluster) or 16 (a non-portable one, sm_90)")
+             "CTAS_PER_ROW must be 1, 2, 4, 8 (a portable cluster) or 16 (a non-portable one: the GPU "
+             "may hold none, and then the kernel cannot load)")
         rule(self.ctas_per_row == 1 or self.warps_m == 1, "several CTAs per row need WARPS_M == 1")
         rule(self.warps_n == 1 or self.warps_m < 16, "rows of several warps need WARPS_M < 16 (a named barrier each)")
         rule(self.lanes_per_row in LANES_PER_ROW, "LANES_PER_ROW must be 4, 8, 16 or 32")

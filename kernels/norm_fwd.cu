@@ -123,7 +123,7 @@ norm_fwd(const input_t* x, const residual_t* residual, const weight_t* __restric
   using ResVec = Vec<residual_t, ELTS_PER_LDG>;
   using SumVec = Vec<compute_t, ELTS_PER_LDG>;
   const Coords at(x, ldx);
-  CN_ROW_REDUCER(4, reducer);  // merged moments exchange 4 values (compiled, if dead, in every forward)
+  CN_ROW_REDUCER_OF(MERGED_MOMENTS ? 4 : 1, MERGED_MOMENTS, reducer);
   CN_DYNAMIC_SMEM(smem);
 
   unsigned char* next = smem;
@@ -207,6 +207,11 @@ norm_fwd(const input_t* x, const residual_t* residual, const weight_t* __restric
       else return v[it].get(e);
     };
 
+    // MERGED_MOMENTS' code sits in generic lambdas run through this: a dependent `if constexpr` is not
+    // instantiated, so the other forwards keep their one-value reducer and the code they were measured with.
+    auto if_merged = [&](auto&& f) {
+      if constexpr (MERGED_MOMENTS) f(Flag<true>());
+    };
     compute_t mean = 0;
     // The row's sum (padding holds 0); MERGED_MOMENTS: the CTA's sum and its count of row elements.
     compute_t sum[MERGED_MOMENTS ? 2 : 1] = {0};
@@ -216,20 +221,22 @@ norm_fwd(const input_t* x, const residual_t* residual, const weight_t* __restric
 #pragma unroll
         for (int e = 0; e < ELTS_PER_LDG; ++e) sum[0] += value(it, e);
       if constexpr (MERGED_MOMENTS) {
-        with_edges(at, [&](auto edges) {
+        if_merged([&](auto) {
+          with_edges(at, [&](auto edges) {
 #pragma unroll
-          for (int it = 0; it < LDGS; ++it) {
-            if (!at.in_row(it)) continue;
-            if (whole<decltype(edges)::value>(it, at)) {
-              sum[1] += ELTS_PER_LDG;
-            } else {
+            for (int it = 0; it < LDGS; ++it) {
+              if (!at.in_row(it)) continue;
+              if (whole<decltype(edges)::value>(it, at)) {
+                sum[1] += ELTS_PER_LDG;
+              } else {
 #pragma unroll
-              for (int e = 0; e < ELTS_PER_LDG; ++e) sum[1] += at.valid(it, e) ? 1 : 0;
+                for (int e = 0; e < ELTS_PER_LDG; ++e) sum[1] += at.valid(it, e) ? 1 : 0;
+              }
             }
-          }
+          });
+          reducer.template allreduce<false, false>(sum, at);
+          mean = sum[1] > 0 ? sum[0] / sum[1] : compute_t(0);  // the CTA's: its deviations' centre
         });
-        reducer.template allreduce<false, false>(sum, at);
-        mean = sum[1] > 0 ? sum[0] / sum[1] : compute_t(0);  // the CTA's: its deviations' centre
       } else {
         reducer.allreduce(sum, at);
         // REFINE_MEAN: rounded on its own, or ptxas fuses it into every h - mean (an FMA with the exact
@@ -274,30 +281,33 @@ norm_fwd(const input_t* x, const residual_t* residual, const weight_t* __restric
     if constexpr (MERGED_MOMENTS) {
       // One cluster exchange for both moments: each CTA's sum, count, and squared deviations S2 and
       // deviations D about its own mean c (rounded: D holds what rounding left). About the row's mean m,
-      // sum (h - m)^2 = sum over CTAs of S2 + 2 (c - m) D + n (c - m)^2, taken with every c - m as
-      // (c - c0) - (m - c0), c0 rank 0's mean: differences of nearby values, no E[h^2] - E[h]^2 cancellation.
-      // The row's sum adds the CTAs' sums in rank order, as a plain cluster sum does.
-      compute_t dev[2] = {0, 0};
-      sum_deviations(PowerOfTwo<0>(), Flag<true>(), Flag<false>(), Flag<false>(), dev);
-      const compute_t mine[4] = {sum[0], sum[1], dev[0], dev[1]};
-      compute_t total = 0, within = 0, first_mean = 0, n_a = 0, n_a2 = 0, a_d = 0, d_sum = 0;
-      reducer.each_cta(mine, [&](int r, const compute_t (&cta)[4]) {
-        const compute_t count = cta[1];
-        const compute_t a = count > 0 ? cta[0] / count : compute_t(0);  // c, as that CTA took it
-        if (r == 0) first_mean = a;
-        const compute_t shifted = count > 0 ? a - first_mean : compute_t(0);
-        total += cta[0];
-        within += cta[2];
-        n_a += count * shifted;
-        n_a2 += count * shifted * shifted;
-        a_d += shifted * cta[3];
-        d_sum += cta[3];
+      // sum (h - m)^2 = sum over CTAs of S2 + 2 (c - m) D + n (c - m)^2, taken with every c - m as s - b,
+      // s = c - c0 and b = m - c0 (c0 rank 0's mean): differences of nearby values, no E[h^2] - E[h]^2
+      // cancellation. The row's sum adds the CTAs' sums in rank order, as a plain cluster sum does.
+      if_merged([&](auto merged) {
+        constexpr int PAIR = decltype(merged)::value ? 2 : 1;  // dependent: instantiated only here
+        compute_t dev[PAIR] = {0, 0};
+        sum_deviations(PowerOfTwo<0>(), Flag<true>(), Flag<false>(), Flag<false>(), dev);
+        const compute_t mine[2 * PAIR] = {sum[0], sum[1], dev[0], dev[1]};
+        compute_t total = 0, within = 0, first_centre = 0, n_s = 0, n_s2 = 0, s_d = 0, d_sum = 0;
+        reducer.each_cta(mine, [&](int r, const auto& cta) {
+          const compute_t count = cta[1];
+          const compute_t centre = count > 0 ? cta[0] / count : compute_t(0);  // c, as that CTA took it
+          if (r == 0) first_centre = centre;
+          const compute_t shift = count > 0 ? centre - first_centre : compute_t(0);  // s
+          total += cta[0];
+          within += cta[2];
+          n_s += count * shift;
+          n_s2 += count * shift * shift;
+          s_d += shift * cta[3];
+          d_sum += cta[3];
+        });
+        mean = REFINE_MEAN ? cn_mul_rn(total, inv_cols) : total * inv_cols;
+        const compute_t b = mean - first_centre;
+        // sum n (s - b)^2 + 2 (s - b) D (the counts sum to COLS): the CTAs' means' spread about the row's
+        const compute_t between = n_s2 - 2 * b * n_s + compute_t(COLS) * b * b + 2 * (s_d - b * d_sum);
+        sq[0] = within + (between < 0 ? compute_t(0) : between);  // NaN stays NaN (a non-finite row)
       });
-      mean = REFINE_MEAN ? cn_mul_rn(total, inv_cols) : total * inv_cols;
-      const compute_t b = mean - first_mean;
-      // sum n (a - b)^2 + 2 (a - b) D, a = c - c0: the spread of the CTAs' means about the row's
-      const compute_t between = n_a2 - 2 * b * n_a + compute_t(COLS) * b * b + 2 * (a_d - b * d_sum);
-      sq[0] = within + (between < 0 ? compute_t(0) : between);  // NaN stays NaN (a non-finite row)
     } else {
       sum_deviations(PowerOfTwo<0>(), Flag<true>(), Flag<false>(), Flag<true>(), sq);
     }

@@ -520,15 +520,16 @@ __device__ __forceinline__ void row_barrier(int warp_m) {
 // Two scratch buffers alternate: a buffer is rewritten only after a later
 // barrier that every reader of its previous contents has passed. Each warp row
 // reads and writes only its own slots, so its parity is its own (a row-only
-// reduction flips it for that warp row alone); the CTAs' slots alternate with
-// cluster exchanges only (a CTA-only reduction has no cluster barrier).
-template <int K, bool MAX = false>  // MAX: the maximum of non-negative values (fp8 scaling) instead of the sum
-struct RowReducer {
+// reduction flips it for that warp row alone). CTA_ONLY: the kernel also sums over
+// its CTA's part of a row alone (no cluster barrier), so the CTAs' slots keep a
+// parity of their own, flipped by cluster exchanges only.
+template <int K, bool MAX = false, bool CTA_ONLY = false>  // MAX: the maximum of non-negative values (fp8
+struct RowReducer {                                          // scaling) instead of the sum
   static constexpr int EVEN_K = K > 1 ? K + (K & 1) : 1;  // a CTA's partials, padded for paired remote loads
   compute_t (*warp_partials)[WARPS_M][WARPS_N][K];
   compute_t (*cta_partials)[EVEN_K];
   int parity = 0;
-  int cluster_parity = 0;
+  int cluster_parity = 0;  // CTA_ONLY's
 
   __device__ __forceinline__ RowReducer(compute_t (*warps)[WARPS_M][WARPS_N][K], compute_t (*ctas)[EVEN_K])
       : warp_partials(warps), cta_partials(ctas) {}
@@ -542,11 +543,15 @@ struct RowReducer {
     else return warp_sum<LANES_PER_ROW>(v);
   }
 
+  // The CTAs' slots in use.
+  __device__ __forceinline__ int cta_slots() const { return CTA_ONLY ? cluster_parity : parity; }
+
   // ROW_ONLY: the threads of other rows of the CTA need not take part (its barrier is the row's own warps').
-  // ACROSS_CLUSTER false: the CTA's part of the row only. J values (the first J of the scratch's K).
+  // ACROSS_CLUSTER false (CTA_ONLY): the CTA's part of the row only. J values (the first J of the scratch's K).
   template <bool ROW_ONLY = false, bool ACROSS_CLUSTER = true, int J>
   __device__ __forceinline__ void allreduce(compute_t (&v)[J], const Coords& at) {
     static_assert(J >= 1 && J <= K, "RowReducer::allreduce: 1 to K values");
+    static_assert(ACROSS_CLUSTER || CTA_ONLY, "a CTA-only reduction needs the CTAs' own parity");
 #pragma unroll
     for (int k = 0; k < J; ++k) v[k] = combine_warp(v[k]);
     if constexpr (WARPS_N > 1) {
@@ -564,23 +569,42 @@ struct RowReducer {
         v[k] = s;
       }
     }
-    parity ^= 1;
     if constexpr (CTAS_PER_ROW > 1 && ACROSS_CLUSTER) {
-      compute_t s[J] = {};
-      each_cta(v, [&](int, const compute_t (&peer)[J]) {
+      if (threadIdx.x == 0) {
 #pragma unroll
-        for (int k = 0; k < J; ++k) s[k] = combine(s[k], peer[k]);
-      });
+        for (int k = 0; k < J; ++k) cta_partials[cta_slots()][k] = v[k];
+      }
+      cluster_sync();
+      // Each peer's values in pairs (one remote load for two; the scratch rows are padded to even K), added
+      // rank by rank in the same order for every value.
+      compute_t s[J] = {};
+#pragma unroll
+      for (int r = 0; r < CTAS_PER_ROW; ++r) {
+#pragma unroll
+        for (int k = 0; k < J; k += 2) {
+          if (k + 1 < J) {
+            compute_t a, b;
+            load_cluster_shared_pair(&cta_partials[cta_slots()][k], r, a, b);
+            s[k] = combine(s[k], a);
+            s[k + 1] = combine(s[k + 1], b);
+          } else {
+            s[k] = combine(s[k], load_cluster_shared(&cta_partials[cta_slots()][k], r));
+          }
+        }
+      }
 #pragma unroll
       for (int k = 0; k < J; ++k) v[k] = s[k];
+      if constexpr (CTA_ONLY) cluster_parity ^= 1;
     }
+    parity ^= 1;
   }
 
-  // Publishes this CTA's J values (the same in every thread) to its cluster and calls f(rank, values) for
-  // the values of every CTA of the row, rank by rank (the same order in every thread: the same bits).
+  // (CTA_ONLY) Publishes this CTA's J values (the same in every thread) to its cluster and calls f(rank,
+  // values) for the values of every CTA of the row, rank by rank (the same order in every thread: the same
+  // bits): a fold other than a sum (merged moments).
   template <int J, typename F>
   __device__ __forceinline__ void each_cta(const compute_t (&v)[J], F&& f) {
-    static_assert(CTAS_PER_ROW > 1 && J >= 1 && J <= K, "RowReducer::each_cta: a cluster, 1 to K values");
+    static_assert(CTA_ONLY && CTAS_PER_ROW > 1 && J >= 1 && J <= K, "RowReducer::each_cta: 1 to K values");
     if (threadIdx.x == 0) {
 #pragma unroll
       for (int k = 0; k < J; ++k) cta_partials[cluster_parity][k] = v[k];
@@ -626,10 +650,12 @@ struct RowReducer {
   __shared__ compute_t name##_ctas[2][1];                         \
   RowReducer<1, true> name(name##_warps, name##_ctas)
 
-#define CN_ROW_REDUCER(K, name)                                   \
+#define CN_ROW_REDUCER(K, name) CN_ROW_REDUCER_OF(K, false, name)
+// CTA_ONLY: see RowReducer.
+#define CN_ROW_REDUCER_OF(K, CTA_ONLY, name)                      \
   __shared__ compute_t name##_warps[2][WARPS_M][WARPS_N][K];      \
   __shared__ __align__(16) compute_t name##_ctas[2][RowReducer<K>::EVEN_K]; \
-  RowReducer<K> name(name##_warps, name##_ctas)
+  RowReducer<K, false, CTA_ONLY> name(name##_warps, name##_ctas)
 
 // A CTA must not exit while cluster peers may still read its shared memory.
 __device__ __forceinline__ void finish_cluster() {

@@ -219,44 +219,12 @@ def test_wide_backward_keeps_its_column_sums_in_shared_memory(dtype):
         assert dispatch.heuristic(hidden_size=98304, **call).ctas_per_row == 4
 
 
-def test_sixteen_cta_clusters_only_for_backwards_whose_sums_then_fit():
-    """A 16-CTA cluster serves only sm_90 backwards whose column sums fit 16 CTAs' shared memory and no
-    portable cluster's: no forward takes one (8 CTAs hold every forward row up to 524288), nor a backward
-    that 8 CTAs serve, nor a backward too wide for 16 CTAs' shared memory (HEAD's last resorts stay)."""
-    for n in (131072, 196608, 262144, 393216, 524288):
-        fwd = dispatch.heuristic(hidden_size=n, input_dtype="bfloat16")
-        assert fwd.ctas_per_row <= 8, fwd.short()
-    for n in (131072, 196608):
-        assert dispatch.heuristic(hidden_size=n, input_dtype="bfloat16", backward=True).ctas_per_row <= 8
-    wide = dispatch.heuristic(hidden_size=524288, input_dtype="bfloat16", backward=True)
-    assert wide.ctas_per_row <= 8, wide.short()
-    t = dispatch.heuristic(hidden_size=262144, input_dtype="bfloat16", backward=True, arch=100)
-    assert t.ctas_per_row <= 8, t.short()
-
-
-def test_a_sixteen_cta_kernel_is_allowed_its_cluster(monkeypatch):
-    """compiler._allow_non_portable_cluster sets CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED (14) to 1
-    on the loaded function (the driver refuses a 16-CTA cluster's occupancy query and launch without it)."""
-    from types import SimpleNamespace
-
-    from cunorm import compiler
-
-    calls = []
-
-    class Driver:
-        def cuFuncSetAttribute(self, fn, attribute, value):
-            calls.append((fn.value, attribute, value))
-            return 0
-
-    monkeypatch.setattr(compiler, "_driver", lambda: Driver())
-    compiler._allow_non_portable_cluster(SimpleNamespace(kernel=SimpleNamespace(ptr=1234)))
-    assert calls == [(1234, 14, 1)]
-
-
-@pytest.mark.parametrize("dtype, residual", [("bfloat16", None), ("bfloat16", "float32"), ("float32", None)])
+@pytest.mark.parametrize("dtype, residual", [("bfloat16", None), ("bfloat16", "float32"), ("float32", None),
+                                             ("float64", None)])
 def test_merged_moments_compile_clean_where_the_two_pass_shape_does(dtype, residual):
     """merged_moments adds two values to a row's CTA sums and one exchange's worth of registers: LayerNorm
     forwards of cluster rows that compile clean without it compile clean with it (aligned and general rows)."""
+    checked = 0
     for n in (12288, 65537, 131072):
         call = dict(hidden_size=n, input_dtype=dtype, has_residual=residual is not None, residual_dtype=residual)
         for ctas in (2, 8):
@@ -266,3 +234,5 @@ def test_merged_moments_compile_clean_where_the_two_pass_shape_does(dtype, resid
                 continue
             if compile_only(t, 90).clean:
                 assert compile_only(t.replace(merged_moments=True), 90).clean, t.short()
+                checked += 1
+    assert checked >= 2

@@ -561,3 +561,38 @@ def test_only_sixteen_cta_clusters_raise_cluster_not_resident(monkeypatch):
     with pytest.raises(RuntimeError, match="8-CTA clusters") as e:
         compiler._resident_clusters(fn, 512, 1024, 8, 132)
     assert not isinstance(e.value, compiler.ClusterNotResident)
+
+
+def test_sixteen_cta_clusters_only_for_backwards_whose_sums_then_fit():
+    """The heuristic offers a 16-CTA cluster only to sm_90 backwards whose column sums fit 16 CTAs' shared
+    memory and no portable cluster's: no forward takes one (8 CTAs hold every forward row up to 524288), nor
+    a backward that 8 CTAs serve, nor a backward too wide for 16 CTAs' shared memory (its last resorts
+    stay)."""
+    for n in (131072, 196608, 262144, 393216, 524288):
+        fwd = dispatch.heuristic(hidden_size=n, input_dtype="bfloat16")
+        assert fwd.ctas_per_row <= 8, fwd.short()
+    for n in (131072, 196608):
+        assert dispatch.heuristic(hidden_size=n, input_dtype="bfloat16", backward=True).ctas_per_row <= 8
+    wide = dispatch.heuristic(hidden_size=524288, input_dtype="bfloat16", backward=True)
+    assert wide.ctas_per_row <= 8, wide.short()
+    t = dispatch.heuristic(hidden_size=262144, input_dtype="bfloat16", backward=True, arch=100)
+    assert t.ctas_per_row <= 8, t.short()
+
+
+def test_a_sixteen_cta_kernel_is_allowed_its_cluster(monkeypatch):
+    """compiler._allow_non_portable_cluster sets CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED (14) to 1
+    on the loaded function (the driver refuses a 16-CTA cluster's occupancy query and launch without it)."""
+    from types import SimpleNamespace
+
+    from cunorm import compiler
+
+    calls = []
+
+    class Driver:
+        def cuFuncSetAttribute(self, fn, attribute, value):
+            calls.append((fn.value, attribute, value))
+            return 0
+
+    monkeypatch.setattr(compiler, "_driver", lambda: Driver())
+    compiler._allow_non_portable_cluster(SimpleNamespace(kernel=SimpleNamespace(ptr=1234)))
+    assert calls == [(1234, 14, 1)]

@@ -9,6 +9,7 @@ No GPU needed: NVRTC compiles for the architecture given.
 import argparse
 import hashlib
 import os
+import struct
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -19,10 +20,26 @@ from cunorm import check  # noqa: E402
 from cunorm.compiler import CompileError, arch_number, compile_only  # noqa: E402
 
 
+def text_sections(cubin: bytes) -> bytes:
+    """The kernels' machine code: the cubin's .text.* sections (name and bytes), in order. The rest of the
+    ELF (symbol and string tables, constant banks) changes whenever the source declares one more constexpr
+    (a new trait's flag), which leaves every kernel's code alone."""
+    shoff = struct.unpack_from("<Q", cubin, 0x28)[0]
+    entsize, count, names_index = struct.unpack_from("<HHH", cubin, 0x3A)
+    headers = [struct.unpack_from("<IIQQQQ", cubin, shoff + i * entsize) for i in range(count)]
+    names = headers[names_index][4]  # the section-name table's offset
+    out = b""
+    for name, _, _, _, offset, size in headers:
+        label = cubin[names + name:cubin.index(b"\0", names + name)]
+        if label.startswith(b".text."):
+            out += label + cubin[offset:offset + size]
+    return out
+
+
 def digest(traits, arch: int) -> str:
-    """sha256 of the cubin (the SASS and its metadata), or why it did not compile."""
+    """sha256 of the kernels' machine code (`text_sections`), or why it did not compile."""
     try:
-        return hashlib.sha256(compile_only(traits, arch).cubin).hexdigest()[:16]
+        return hashlib.sha256(text_sections(compile_only(traits, arch).cubin)).hexdigest()[:16]
     except (CompileError, ValueError) as e:
         return f"error: {str(e).splitlines()[0]}"
 

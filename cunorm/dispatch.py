@@ -393,10 +393,13 @@ def _column_sums_fit_smem(t: Traits, arch: int) -> bool:
         return False
 
 
-def non_portable_cluster_serves(t: Traits, arch: int) -> bool:
-    """Whether traits of a 16-CTA cluster are offered (the heuristic, the tuner): sm_90 backwards whose column
-    sums then fit shared memory."""
-    return t.backward and arch == NON_PORTABLE_CLUSTER_ARCH and _column_sums_fit_smem(t, arch)
+def cluster_offered(t: Traits, arch: int, portable_only: bool = False) -> bool:
+    """Whether the heuristic and the tuner offer traits' CTAs a row: a portable cluster always; a 16-CTA
+    (non-portable) one to sm_90 backwards whose column sums then fit shared memory, unless `portable_only`."""
+    if t.ctas_per_row <= PORTABLE_CLUSTER:
+        return True
+    return (not portable_only and t.backward and arch == NON_PORTABLE_CLUSTER_ARCH
+            and _column_sums_fit_smem(t, arch))
 
 
 def heuristic(*, hidden_size: int, input_dtype: str, elts_per_ldg: int | None = None, aligned_rows: bool = True,
@@ -438,7 +441,7 @@ def heuristic(*, hidden_size: int, input_dtype: str, elts_per_ldg: int | None = 
                            aligned_rows=aligned_rows, **rest)
             except ValueError:
                 continue
-            if ctas > PORTABLE_CLUSTER and (portable_clusters or not non_portable_cluster_serves(t, arch)):
+            if not cluster_offered(t, arch, portable_only=portable_clusters):
                 continue
             slots = t.ldgs * t.vec_cols_per_ldg
             idle = (slots - t.vec_cols) / slots

@@ -31,7 +31,7 @@ import numpy as np
 
 from . import dtypes, tables
 from .check import SHORT_NAMES
-from .traits import CTAS_PER_ROW_CHOICES, PORTABLE_CLUSTER, Traits, ctas_for_registers
+from .traits import CTAS_PER_ROW_CHOICES, Traits, ctas_for_registers
 
 SHAPES = dict(ctas_per_row=CTAS_PER_ROW_CHOICES, warps_n=(1, 2, 4, 8, 16, 32), warps_m=(1, 2, 4, 8), bytes_per_ldg=(16, 8),
               lanes_per_row=(32, 16, 8, 4))
@@ -134,7 +134,7 @@ def candidates(hidden_size: int, dtype: str, backward: bool, arch: int = 90, rms
     replaces SHAPES' WARPS_N values) with default extras, as the op builds
     them for contiguous rows: the general kernel where the load width does
     not divide N."""
-    from .dispatch import non_portable_cluster_serves
+    from .dispatch import cluster_offered
 
     job = Job.of(hidden_size, dtype, backward, rms, residual)
     call = job.call_fields()
@@ -145,7 +145,7 @@ def candidates(hidden_size: int, dtype: str, backward: bool, arch: int = 90, rms
         if (ctas > 1 and wm > 1) or (lanes < 32 and (ctas > 1 or wn > 1)):  # several rows a warp: one warp wide
             continue
         t = _legal(call, arch, ctas_per_row=ctas, warps_n=wn, warps_m=wm, bytes_per_ldg=bpl, lanes_per_row=lanes)
-        if t is not None and ctas > PORTABLE_CLUSTER and not non_portable_cluster_serves(t, arch):
+        if t is not None and not cluster_offered(t, arch):
             continue  # as dispatch offers 16-CTA clusters (a GPU holding none fails to load them: dropped)
         # A general key serves calls dispatch runs on the general kernel: a load width dividing N runs the
         # aligned one, whose knobs dispatch would not take for them.

@@ -49,6 +49,12 @@ def _tiers(request):
         _require("nvrtc", nvrtc_available(), "CUNORM_REQUIRE_NVRTC")
 
 
+def assert_results_ok(results):
+    """Fails with a line per output of cunorm.check's results beyond its tolerance."""
+    bad = [f"{r.case.label()} {r.output}: {r.error:.3e} > {r.tolerance:.0e}" for r in results if not r.ok]
+    assert not bad, "\n".join(bad)
+
+
 @pytest.fixture
 def poisoned():
     """poisoned(shape, dtype="float32"): a CuPy output array filled with NaN, so that an element a call leaves

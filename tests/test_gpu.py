@@ -4,6 +4,7 @@ import pytest
 
 import cunorm
 from cunorm import check, dispatch, dtypes
+from conftest import assert_results_ok
 
 pytestmark = pytest.mark.gpu
 
@@ -20,25 +21,20 @@ def _compiled():
         check.precompile(check.default_cases(sweeps=("tuned",), ops=check.NORM_OPS, rows=(37,)))
 
 
-def _assert_ok(results):
-    bad = [f"{r.case.label()} {r.output}: {r.error:.3e} > {r.tolerance:.0e}" for r in results if not r.ok]
-    assert not bad, "\n".join(bad)
-
-
 @pytest.mark.parametrize("n", dispatch.TUNED_SIZES + check.HEURISTIC_SAMPLE)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("op", check.NORM_OPS)
 def test_against_reference(op, n, dtype, rng):
     for wdt in dict.fromkeys((dtype, "float32")):
         for rows in (1, 37, 300):
-            _assert_ok(check.run_case(check.Case(op, n, rows, dtype, wdt, has_bias=not op.startswith("rms")), rng))
+            assert_results_ok(check.run_case(check.Case(op, n, rows, dtype, wdt, has_bias=not op.startswith("rms")), rng))
 
 
 @pytest.mark.parametrize("has_weight,has_bias", [(False, False), (True, False), (False, True)])
 @pytest.mark.parametrize("op", ["layer_norm", "layer_norm_backward"])
 def test_optional_weight_and_bias(op, has_weight, has_bias, rng):
     for n in (1024, 8, 65536):
-        _assert_ok(check.run_case(check.Case(op, n, 37, "bfloat16", "bfloat16", has_weight, has_bias), rng))
+        assert_results_ok(check.run_case(check.Case(op, n, 37, "bfloat16", "bfloat16", has_weight, has_bias), rng))
 
 
 def test_many_rows_and_leading_axes(rng):
@@ -323,7 +319,7 @@ def _spilling_entry_falls_back(zero_centered, rng):
         assert len(options) == 2 and clean[:1] == options[:1]
         assert t != tuned and t == options[0]
     assert all(k.local_bytes == 0 for k in kernels.values())
-    _assert_ok(check.run_case(case, rng))
+    assert_results_ok(check.run_case(case, rng))
 
 
 @pytest.mark.parametrize("n, dtype, per_head", [(4096, "bfloat16", False), (1000, "float32", False),

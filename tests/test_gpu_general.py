@@ -6,6 +6,7 @@ import pytest
 
 import cunorm
 from cunorm import check, dtypes, plan
+from conftest import assert_results_ok
 
 pytestmark = pytest.mark.gpu
 
@@ -23,25 +24,20 @@ def _compiled(request):
         check.precompile(GENERAL + FLAGS + PAIRWISE)
 
 
-def _assert_ok(results):
-    bad = [f"{r.case.label()} {r.output}: {r.error:.3e} > {r.tolerance:.0e}" for r in results if not r.ok]
-    assert not bad, "\n".join(bad)
-
-
 @pytest.mark.parametrize("case", GENERAL, ids=lambda c: c.label())
 def test_general(case, rng):
-    _assert_ok(check.run_case(case, rng))
+    assert_results_ok(check.run_case(case, rng))
 
 
 @pytest.mark.parametrize("case", FLAGS, ids=lambda c: c.label())
 def test_flags(case, rng):
-    _assert_ok(check.run_case(case, rng))
+    assert_results_ok(check.run_case(case, rng))
 
 
 @pytest.mark.parametrize("case", PAIRWISE, ids=lambda c: c.label())
 def test_pairwise(case, rng):
     """Every tensor's dtype and layout drawn independently (all pairs covered)."""
-    _assert_ok(check.run_case(case, rng))
+    assert_results_ok(check.run_case(case, rng))
 
 
 @pytest.mark.parametrize("n", [1024, 4096, 4097])

@@ -7,15 +7,11 @@ import pytest
 import cunorm
 from cunorm import check, compiler, dispatch, plan
 from cunorm.norm import plans
+from conftest import assert_results_ok
 
 pytestmark = pytest.mark.gpu
 
 WIDE = (98304, 111104, 131072, 225280, 262144)
-
-
-def _assert_ok(results):
-    bad = [f"{r.case.label()} {r.output}: {r.error:.3e} > {r.tolerance:.0e}" for r in results if not r.ok]
-    assert not bad, "\n".join(bad)
 
 
 def _runs(case):
@@ -33,7 +29,7 @@ def test_wide_backward_rows_against_float64(op, n, dtype, residual, rng):
     """Every output of a wide backward (5 rows; dresidual of its own dtype where drawn) against the float64
     reference, outputs poisoned; 2-byte rows of 131072 and 262144 run spill-free (tier B compiles them)."""
     case = check.Case(op, n, 5, dtype, "float32" if dtype == "float32" else "bfloat16", residual_dtype=residual)
-    _assert_ok(check.run_case(case, rng))
+    assert_results_ok(check.run_case(case, rng))
     traits, kernels = _runs(case)
     if dtype != "float32" and n in (131072, 262144):
         assert traits.smem_accumulators and all(k.local_bytes == 0 for k in kernels.values()), traits.short()
@@ -77,7 +73,7 @@ def test_a_gpu_without_sixteen_cta_clusters_runs_the_portable_pick(monkeypatch, 
     try:
         traits, _ = _runs(case)
         assert traits == dispatch.fallback(compiler.device_arch(0), **call) and traits.ctas_per_row <= 8
-        _assert_ok(check.run_case(case, rng))
+        assert_results_ok(check.run_case(case, rng))
     finally:
         monkeypatch.undo()
         plan.forget_choices()

@@ -179,7 +179,7 @@ def test_sixteen_cta_candidates_are_those_dispatch_offers():
 
     wide = tune.candidates(262144, "bfloat16", True)
     sixteen = [t for t in wide if t.ctas_per_row == 16]
-    assert sixteen and all(dispatch.non_portable_cluster_serves(t, 90) for t in sixteen)
+    assert sixteen and all(dispatch.cluster_offered(t, 90) for t in sixteen)
     pick = dispatch.heuristic(hidden_size=262144, input_dtype="bfloat16", backward=True)  # 16 CTAs
     assert (16, pick.warps_n, pick.bytes_per_ldg) in {(t.ctas_per_row, t.warps_n, t.bytes_per_ldg) for t in wide}
     assert not any(t.ctas_per_row == 16 for t in tune.candidates(262144, "bfloat16", False))

@@ -279,3 +279,31 @@ def test_merged_moments_keep_offset_constant_and_huge_rows_exact(n, rng, poisone
             # their values) within 2e-6, as tests/test_gpu_range.py has them
             assert check.rel_l2(mean[at], mean_ref[sel]) <= (2e-7 if name == "offset" else 2e-6), name
         assert check.rel_l2(rstd[at], rstd_ref[sel]) <= 1e-6, name
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float64"])
+@pytest.mark.parametrize("n", [12288, 65537])
+def test_merged_moments_on_rows_whose_ctas_differ(n, dtype, rng, poisoned):
+    """Rows whose CTAs' means differ (a step halfway, a ramp, a spike in one CTA's part): the spread of the
+    CTAs' means about the row's is most of the variance, so the merge's between-CTA terms carry it; y, mean
+    and rstd against float64, merged knobs forced."""
+    import cupy
+
+    from cunorm import dtypes
+
+    knobs = dict(ctas_per_row=8, warps_n=4 if n <= 16384 else 16, stages=1, cache_weights=False,
+                 merged_moments=True)
+    m, cols = 24, np.arange(n) / n
+    noise = rng.standard_normal((m, n))
+    shapes = [10.0 * (cols >= 0.5), 20.0 * cols, 50.0 * ((cols >= 0.3) & (cols < 0.4))]
+    rows = np.stack([shapes[i % 3] + noise[i] for i in range(m)])
+    dt = dtypes.numpy_dtype(dtype)
+    x = rows.astype(dt)
+    w = (1 + 0.5 * rng.standard_normal(n)).astype(np.float32)
+    b = rng.standard_normal(n).astype(np.float32)
+    y, mean, rstd = cunorm.layer_norm(cupy.asarray(x), cupy.asarray(w), cupy.asarray(b), return_stats=True,
+                                      out=poisoned((m, n), dt), traits=knobs)
+    y_ref, mean_ref, rstd_ref = reference.layer_norm(x.astype(np.float64), w, b, 1e-5)
+    tol = check.TOLERANCE[dtype]
+    assert check.rel_l2(y, y_ref) <= tol
+    assert check.rel_l2(mean, mean_ref) <= 2e-6 and check.rel_l2(rstd, rstd_ref) <= 2e-6

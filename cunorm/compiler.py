@@ -137,6 +137,7 @@ class Kernel:
 
 
 _cache: dict = {}
+_not_resident: dict = {}  # key -> why: kernels whose cluster no SM group here holds (loaded once, then refused)
 _cache_lock = threading.Lock()
 _key_locks: dict = {}
 
@@ -166,7 +167,8 @@ def cuda_version() -> int:
 def kernels_for(traits, device_id: int, source: str | None = None) -> dict:
     """{name: Kernel} for `traits` (and an edited kernel file `source`, if
     given) on GPU `device_id`, compiled on first use. Threads asking for the
-    same kernels at once compile them once."""
+    same kernels at once compile them once. Kernels whose non-portable cluster
+    this GPU holds none of raise ClusterNotResident, on every ask, compiled once."""
     key = (traits, device_id, source)
     hit = _cache.get(key)
     if hit is not None:
@@ -176,7 +178,14 @@ def kernels_for(traits, device_id: int, source: str | None = None) -> dict:
     with lock:
         hit = _cache.get(key)
         if hit is None:
-            hit = _load(traits, device_id, source)
+            why = _not_resident.get(key)
+            if why is not None:
+                raise ClusterNotResident(why)
+            try:
+                hit = _load(traits, device_id, source)
+            except ClusterNotResident as e:
+                _not_resident[key] = str(e)
+                raise
             _cache[key] = hit
     return hit
 

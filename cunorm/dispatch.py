@@ -195,7 +195,8 @@ def without_spills(pick: Traits, origin: str, spills, arch: int, **call) -> tupl
     (`spills(traits)`: compiles it), else the first of `fallbacks` that does not spill, or the last. The
     one place that decides, for the GPU path (`plan._plan`: the loaded kernels' local memory) and the
     checker (`check.case_kernels`: the ptxas report). The GPU path's `spills` loads the kernels: it raises
-    ClusterNotResident for a 16-CTA pick this GPU holds no cluster of, and `fallback`'s pick runs."""
+    ClusterNotResident for a 16-CTA pick this GPU holds no cluster of, and `fallback`'s pick runs (a
+    fallback that raises it is passed over)."""
     try:
         pick_spills = spills(pick)
     except ClusterNotResident:
@@ -203,8 +204,11 @@ def without_spills(pick: Traits, origin: str, spills, arch: int, **call) -> tupl
     if not (may_fall_back(pick, origin) and pick_spills):
         return pick, origin
     for traits, why in fallbacks(pick, origin, arch, **call):
-        if not spills(traits):
-            break
+        try:
+            if not spills(traits):
+                break
+        except ClusterNotResident:  # a half-CTAs shape of a 16-CTA pick; the last fallback is portable
+            continue
     return traits, why
 
 

@@ -543,6 +543,54 @@ def test_a_sixteen_cta_pick_this_gpu_holds_no_cluster_of_runs_within_portable_cl
     assert gpu_runs(resident=False) == portable and gpu_runs(resident=True) == pick
 
 
+
+def test_a_spilling_sixteen_cta_entry_whose_half_ctas_shape_is_not_resident_takes_the_portable_fallback():
+    """A measured 16-CTA pick that spills tries its shape at half the CTAs an SM first (`fallbacks`); on a GPU
+    that holds no 16-CTA cluster that shape raises ClusterNotResident too, and is passed over for the
+    portable fallback (was: the exception escaped the call)."""
+    from cunorm.compiler import ClusterNotResident
+
+    call = check.case_call(check.Case("rms_norm_backward", 262144, 3, "bfloat16", "bfloat16", has_bias=False))
+    pick = dispatch.choose(arch=90, **call)[0].replace(min_ctas_per_sm=2)
+    assert pick.ctas_per_row == 16 and pick.persistent
+    options = dispatch.fallbacks(pick, "a table", 90, **call)
+    assert options[0][0].ctas_per_row == 16 and options[-1] == (dispatch.fallback(90, **call),
+                                                                dispatch.HEURISTIC_FALLBACK)
+    tried = []
+
+    def spills(t):  # the pick loads (and spills) here; no other 16-CTA shape is resident
+        tried.append(t)
+        if t.ctas_per_row > 8 and t != pick:
+            raise ClusterNotResident("no 16-CTA cluster fits")
+        return t == pick
+
+    assert dispatch.without_spills(pick, "a table", spills, 90, **call) == options[-1]
+    assert tried == [pick, options[0][0], options[-1][0]]
+
+
+def test_kernels_whose_cluster_is_not_resident_are_loaded_once(monkeypatch):
+    """compiler.kernels_for remembers ClusterNotResident: a plan asks twice (the family's spill test, then
+    dispatch's) and every later plan asks again; the kernels are compiled and queried once."""
+    from cunorm import compiler
+
+    loads = []
+
+    def load(traits, device_id, source=None):
+        loads.append(traits)
+        raise compiler.ClusterNotResident("stand-in: no 16-CTA cluster fits")
+
+    monkeypatch.setattr(compiler, "_load", load)
+    monkeypatch.setattr(compiler, "_cache", {})
+    monkeypatch.setattr(compiler, "_not_resident", {})
+    t = Traits(hidden_size=262144, backward=True, input_dtype="bfloat16")
+    for _ in range(3):
+        with pytest.raises(compiler.ClusterNotResident, match="stand-in"):
+            compiler.kernels_for(t, 0)
+    assert loads == [t]
+    with pytest.raises(compiler.ClusterNotResident):
+        compiler.kernels_for(t, 1)  # another device asks for itself
+    assert loads == [t, t]
+
 def test_only_sixteen_cta_clusters_raise_cluster_not_resident(monkeypatch):
     """compiler._resident_clusters: no resident cluster of a non-portable size is ClusterNotResident (dispatch
     falls back), of a portable one a plain RuntimeError (a fault, not a GPU's shape)."""

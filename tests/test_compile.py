@@ -209,9 +209,10 @@ def test_wide_backward_keeps_its_column_sums_in_shared_memory(dtype):
     """The heuristic's 2-byte backward at 131072 and 262144 (LayerNorm, RMSNorm, with and without dresidual):
     CTAs whose column sums fit shared memory, 8 a row at 131072 and a 16-CTA (non-portable) cluster at 262144
     (4 and 8 CTAs of 1024 threads held them in registers and spilled 1384-1564 bytes), compiled without
-    spills; at 98304, where 4 CTAs' sums fit, the pick keeps 4 CTAs."""
-    for rms, residual in itertools.product((False, True), repeat=2):
-        call = dict(input_dtype=dtype, backward=True, rms=rms, has_residual=residual,
+    spills; at 98304, where 4 CTAs' sums fit, the pick keeps 4 CTAs. With and without a bias: the column sums a
+    call keeps can depend on it (version 56's trial moved the picks without a bias to spilling CTAs)."""
+    for rms, residual, has_bias in itertools.product((False, True), repeat=3):
+        call = dict(input_dtype=dtype, backward=True, rms=rms, has_residual=residual, has_bias=has_bias,
                     residual_dtype=dtype if residual else None)
         for n, ctas in ((131072, 8), (262144, 16)):
             t = dispatch.heuristic(hidden_size=n, **call)

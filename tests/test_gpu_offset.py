@@ -284,9 +284,12 @@ def test_merged_moments_keep_offset_constant_and_huge_rows_exact(n, rng, poisone
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float64"])
 @pytest.mark.parametrize("n", [12288, 65537])
 def test_merged_moments_on_rows_whose_ctas_differ(n, dtype, rng, poisoned):
-    """Rows whose CTAs' means differ (a step halfway, a ramp, a spike in one CTA's part): the spread of the
-    CTAs' means about the row's is most of the variance, so the merge's between-CTA terms carry it; y, mean
-    and rstd against float64, merged knobs forced."""
+    """Rows whose CTAs' means differ (a step halfway, a ramp, a spike over a tenth of the row), merged knobs
+    forced; y, mean and rstd against float64. A CTA's columns interleave with its peers' at every load step, so
+    the spread of the CTAs' means is 0-55% of a row's variance here (none for the step at most shapes, most
+    for the spike): enough that dropping the merge's between-CTA term would move rstd by 0.75% or more, far
+    above the bound. (Rows far from zero mean, which merged kernels sum two-pass again, are
+    test_merged_moments_keep_offset_constant_and_huge_rows_exact's.)"""
     import cupy
 
     from cunorm import dtypes

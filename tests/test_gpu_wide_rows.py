@@ -69,6 +69,7 @@ def test_a_gpu_without_sixteen_cta_clusters_runs_the_portable_pick(monkeypatch, 
     assert dispatch.choose(arch=90, **call)[0].ctas_per_row == 16
     monkeypatch.setattr(compiler, "_resident_clusters", without_sixteen)
     monkeypatch.setattr(compiler, "_cache", {})
+    monkeypatch.setattr(compiler, "_not_resident", {})  # the stand-in's refusals must not outlive the test
     plan.forget_choices()
     try:
         traits, _ = _runs(case)

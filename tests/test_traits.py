@@ -543,7 +543,6 @@ def test_a_sixteen_cta_pick_this_gpu_holds_no_cluster_of_runs_within_portable_cl
     assert gpu_runs(resident=False) == portable and gpu_runs(resident=True) == pick
 
 
-
 def test_a_spilling_sixteen_cta_entry_whose_half_ctas_shape_is_not_resident_takes_the_portable_fallback():
     """A measured 16-CTA pick that spills tries its shape at half the CTAs an SM first (`fallbacks`); on a GPU
     that holds no 16-CTA cluster that shape raises ClusterNotResident too, and is passed over for the
@@ -590,6 +589,7 @@ def test_kernels_whose_cluster_is_not_resident_are_loaded_once(monkeypatch):
     with pytest.raises(compiler.ClusterNotResident):
         compiler.kernels_for(t, 1)  # another device asks for itself
     assert loads == [t, t]
+
 
 def test_only_sixteen_cta_clusters_raise_cluster_not_resident(monkeypatch):
     """compiler._resident_clusters: no resident cluster of a non-portable size is ClusterNotResident (dispatch

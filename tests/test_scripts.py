@@ -42,8 +42,9 @@ def test_the_codegen_digest_is_stable_and_tells_variants_apart():
     assert first != digest.digest(t.replace(stages=3), 90) and first != digest.digest(t, 80)
     from cunorm import compile_only
 
-    code = digest.text_sections(compile_only(t, 90).cubin)  # the machine code alone, not the symbol tables
-    assert code.startswith(b".text.norm_fwd") and 0 < len(code) < len(compile_only(t, 90).cubin)
+    cubin = compile_only(t, 90).cubin
+    code = digest.text_sections(cubin)  # the machine code alone, not the symbol tables
+    assert code.startswith(b".text.norm_fwd") and 0 < len(code) < len(cubin)
 
 
 def test_the_tier_shards_keep_each_test_function_whole_and_count_what_ran():

@@ -501,6 +501,10 @@ def test_half_precision_rows_are_not_refined():
     assert Traits(hidden_size=4096, input_dtype="float32", backward=True).template_values()["REFINE_MEAN"] == "true"
 
 
+def _sixteen_cta_backward_call() -> dict:
+    """The call whose heuristic pick spans a 16-CTA cluster: RMSNorm's 2-byte backward at 262144."""
+    return check.case_call(check.Case("rms_norm_backward", 262144, 3, "bfloat16", "bfloat16", has_bias=False))
+
 def test_a_sixteen_cta_pick_this_gpu_holds_no_cluster_of_runs_within_portable_clusters(monkeypatch):
     """The heuristic's 2-byte backward at 262144 spans a 16-CTA (non-portable) cluster; on a GPU that holds
     none (the occupancy query finds no such cluster: ClusterNotResident where the kernels load), the GPU path
@@ -511,7 +515,7 @@ def test_a_sixteen_cta_pick_this_gpu_holds_no_cluster_of_runs_within_portable_cl
     from cunorm.compiler import ClusterNotResident
     from cunorm.norm import plans
 
-    call = check.case_call(check.Case("rms_norm_backward", 262144, 3, "bfloat16", "bfloat16", has_bias=False))
+    call = _sixteen_cta_backward_call()
     pick, origin = dispatch.choose(arch=90, **call)
     assert pick.ctas_per_row == 16 and origin == dispatch.HEURISTIC
     portable = dispatch.fallback(90, **call)
@@ -549,7 +553,7 @@ def test_a_spilling_sixteen_cta_entry_whose_half_ctas_shape_is_not_resident_take
     portable fallback (was: the exception escaped the call)."""
     from cunorm.compiler import ClusterNotResident
 
-    call = check.case_call(check.Case("rms_norm_backward", 262144, 3, "bfloat16", "bfloat16", has_bias=False))
+    call = _sixteen_cta_backward_call()
     pick = dispatch.choose(arch=90, **call)[0].replace(min_ctas_per_sm=2)
     assert pick.ctas_per_row == 16 and pick.persistent
     options = dispatch.fallbacks(pick, "a table", 90, **call)

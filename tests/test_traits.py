@@ -505,6 +505,7 @@ def _sixteen_cta_backward_call() -> dict:
     """The call whose heuristic pick spans a 16-CTA cluster: RMSNorm's 2-byte backward at 262144."""
     return check.case_call(check.Case("rms_norm_backward", 262144, 3, "bfloat16", "bfloat16", has_bias=False))
 
+
 def test_a_sixteen_cta_pick_this_gpu_holds_no_cluster_of_runs_within_portable_clusters(monkeypatch):
     """The heuristic's 2-byte backward at 262144 spans a 16-CTA (non-portable) cluster; on a GPU that holds
     none (the occupancy query finds no such cluster: ClusterNotResident where the kernels load), the GPU path

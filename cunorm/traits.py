@@ -37,11 +37,11 @@ CTAS_PER_ROW_CHOICES = (1, 2, 4, 8, 16)
 MIN_ARCH = 80  # cp.async and the bf16/f16x2 conversion instructions
 # The independent knobs: launch shape and research levers (what tuning varies and `traits=` may force).
 KNOBS = ("warps_m", "warps_n", "ctas_per_row", "bytes_per_ldg", "stages", "cache_weights", "min_ctas_per_sm",
-         "smem_accumulators", "recompute", "lanes_per_row", "persistent", "merged_moments")
+         "smem_accumulators", "recompute", "lanes_per_row", "persistent", "merged_moments", "pushed_exchange")
 # What a knob left out takes when others are given (`traits=` mappings, the tuner).
 KNOB_DEFAULTS = dict(warps_m=1, warps_n=1, ctas_per_row=1, bytes_per_ldg=16, stages=2, cache_weights=True,
                      min_ctas_per_sm=1, smem_accumulators=False, recompute=True, lanes_per_row=THREADS_PER_WARP,
-                     persistent=True, merged_moments=False)
+                     persistent=True, merged_moments=False, pushed_exchange=False)
 LATE_DGAMMA_MAX_ELTS = 16  # see Traits.late_dgamma
 REFINE_MIN_OFFSET = 4.0  # REFINE_MEAN refines rows whose mean lies this many std or more from zero
 LANES_PER_ROW = (4, 8, 16, 32)  # lanes of a warp sharing a row: below 32, a warp holds several (short) rows
@@ -99,6 +99,10 @@ class Traits:
     merged_moments: (LayerNorm forward, ctas_per_row > 1) the mean and the squared deviations in one
       exchange across the cluster (each CTA's sum, count, and squared and plain deviations about its own
       mean, merged) instead of the two-pass sums' two (a cluster barrier fewer a row).
+    pushed_exchange: (ctas_per_row > 1) each cluster exchange is pushed: every CTA stores its partials into
+      each peer's shared memory (st.async) and waits on its own mbarrier for theirs to land, instead of a
+      cluster barrier (whose release first waits for the CTA's outstanding global stores) and loads from
+      the peers'. Same sums in the same order: the same bits. Needs PTX ISA 8.1 (NVRTC 12.1+).
     has_weight / has_bias: whether gamma / beta are present.
     rms: RMSNorm (no mean) rather than LayerNorm; with has_bias, y = xhat * w + b.
     has_residual: forward: x + residual is normalized and stored; backward:
@@ -164,6 +168,7 @@ class Traits:
     lanes_per_row: int | None = None
     persistent: bool | None = None
     merged_moments: bool | None = None
+    pushed_exchange: bool | None = None
     has_weight: bool = True
     has_bias: bool = True
     rms: bool = False
@@ -478,6 +483,8 @@ class Traits:
         rule(self.backward or self.recompute, "recompute is a backward knob")
         rule(not self.merged_moments or (not self.backward and not self.rms and self.ctas_per_row > 1),
              "merged_moments is a knob of LayerNorm forwards of cluster rows (ctas_per_row > 1)")
+        rule(not self.pushed_exchange or self.ctas_per_row > 1, "pushed_exchange is a knob of cluster rows "
+             "(ctas_per_row > 1)")
 
     def check_arch(self, arch: int):
         """Rules that depend on the GPU: sm_80 or newer; clusters need sm_90;
@@ -525,7 +532,8 @@ class Traits:
                 f"MIN_CTAS_PER_SM={self.min_ctas_per_sm}" + (" SMEM_ACCUMULATORS=1" if self.smem_accumulators else "")
                 + ("" if self.recompute else " RECOMPUTE=0")
                 + ("" if self.lanes_per_row == THREADS_PER_WARP else f" LANES_PER_ROW={self.lanes_per_row}")
-                + ("" if self.persistent else " PERSISTENT=0") + (" MERGED_MOMENTS=1" if self.merged_moments else ""))
+                + ("" if self.persistent else " PERSISTENT=0") + (" MERGED_MOMENTS=1" if self.merged_moments else "")
+                + (" PUSHED_EXCHANGE=1" if self.pushed_exchange else ""))
 
     def knobs(self) -> dict:
         return {k: getattr(self, k) for k in KNOBS}
@@ -560,6 +568,7 @@ class Traits:
             "LATE_DGAMMA": "true" if self.dgamma_after_reduction else "false",
             "REFINE_MEAN": "true" if self.refine_mean else "false",
             "MERGED_MOMENTS": "true" if self.merged_moments else "false",
+            "PUSHED_EXCHANGE": "true" if self.pushed_exchange else "false",
             "REFINE_MIN_OFFSET": f"{REFINE_MIN_OFFSET!r}f",
             "ALIGNED_ROWS": "true" if self.aligned_rows else "false",
             "ROW_AXES": self.row_axes,

@@ -328,6 +328,54 @@ __device__ __forceinline__ unsigned cluster_address(const void* local, unsigned 
 #endif
   return remote;
 }
+// Pushed exchanges (PUSHED_EXCHANGE): a CTA writes its partials into each peer's shared memory with st.async,
+// whose bytes count down the receiver's mbarrier; the receiver waits on its own mbarrier, not on a cluster
+// barrier (whose release first waits for the CTA's outstanding global stores).
+__device__ __forceinline__ unsigned shared_address(const void* local) {
+  return static_cast<unsigned>(__cvta_generic_to_shared(local));
+}
+// Makes bars[0..N) mbarriers whose phases complete on one arrival (and the bytes that arrival announces),
+// visible to the cluster's st.async once a cluster barrier has followed.
+template <int N>
+__device__ __forceinline__ void init_mbarriers(unsigned long long* bars) {
+#if __CUDA_ARCH__ >= 900
+#pragma unroll
+  for (int i = 0; i < N; ++i)
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(shared_address(bars + i)) : "memory");
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+#endif
+}
+// The one arrival of `bar`'s current phase, which then completes once `bytes` more have landed.
+__device__ __forceinline__ void mbarrier_arrive_expecting(unsigned long long* bar, unsigned bytes) {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("mbarrier.arrive.expect_tx.release.cta.shared::cta.b64 _, [%0], %1;" ::"r"(shared_address(bar)),
+               "r"(bytes) : "memory");
+#endif
+}
+// Writes v at `remote` (a shared::cluster address) and counts its bytes on the mbarrier at `remote_bar`, in
+// the same CTA as `remote`.
+__device__ __forceinline__ void store_async(unsigned remote, float v, unsigned remote_bar) {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [%0], %1, [%2];" ::"r"(remote),
+               "r"(__float_as_uint(v)), "r"(remote_bar) : "memory");
+#endif
+}
+__device__ __forceinline__ void store_async(unsigned remote, double v, unsigned remote_bar) {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.b64 [%0], %1, [%2];" ::"r"(remote),
+               "l"(__double_as_longlong(v)), "r"(remote_bar) : "memory");
+#endif
+}
+// Waits for the phase of `bar` with parity `phase` to complete; what landed for it is then visible here.
+__device__ __forceinline__ void mbarrier_wait(unsigned long long* bar, unsigned phase) {
+#if __CUDA_ARCH__ >= 900
+  asm volatile(
+      "{\n\t.reg .pred landed;\n"
+      "CN_WAIT_%=:\n\t"
+      "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 landed, [%0], %1;\n\t"
+      "@!landed bra CN_WAIT_%=;\n}" ::"r"(shared_address(bar)), "r"(phase) : "memory");
+#endif
+}
 // Reads the value at `local` in the CTA of cluster rank `rank`.
 __device__ __forceinline__ float load_cluster_shared(const float* local, unsigned rank) {
   float v = 0.f;

@@ -36,6 +36,10 @@ constexpr float REFINE_MIN_OFFSET = ${REFINE_MIN_OFFSET};
 // A LayerNorm forward of a cluster row: its mean and squared deviations in one cluster exchange (norm_fwd.cu).
 constexpr bool MERGED_MOMENTS = ${MERGED_MOMENTS};
 static_assert(!MERGED_MOMENTS || (!RMS && CTAS_PER_ROW > 1), "merged moments are a LayerNorm cluster row's");
+// A cluster row's exchanges pushed into the peers' shared memory (st.async, mbarriers: RowReducer) instead
+// of a cluster barrier and loads from the peers'.
+constexpr bool PUSHED_EXCHANGE = ${PUSHED_EXCHANGE};
+static_assert(!PUSHED_EXCHANGE || (CTAS_PER_ROW > 1 && WARPS_M == 1), "pushed exchanges are a cluster row's");
 // Every row starts on a vector boundary and is whole vectors long. Otherwise
 // (the general kernel) a row is read in the aligned frame around it: vector v
 // of a row covers the elements [v * E - shift, (v + 1) * E - shift), where
@@ -523,16 +527,30 @@ __device__ __forceinline__ void row_barrier(int warp_m) {
 // reduction flips it for that warp row alone). CTA_ONLY: the kernel also sums over
 // its CTA's part of a row alone (no cluster barrier), so the CTAs' slots keep a
 // parity of their own, flipped by cluster exchanges only.
+// PUSHED_EXCHANGE: each CTA stores its values into every peer's slots (a row of
+// slots a sender) with st.async and waits on its own mbarrier for the peers'
+// to land. A slot is rewritten only after it was read: a peer sends exchange
+// n + 2 only once it has received this CTA's n + 1, which this CTA sends only
+// after a barrier that follows its threads' reads of n.
 template <int K, bool MAX = false, bool CTA_ONLY = false>  // MAX: the maximum of non-negative values (fp8
 struct RowReducer {                                          // scaling) instead of the sum
   static constexpr int EVEN_K = K > 1 ? K + (K & 1) : 1;  // a CTA's partials, padded for paired remote loads
+  static constexpr int SENDERS = PUSHED_EXCHANGE ? CTAS_PER_ROW : 1;  // rows of CTA slots a parity
   compute_t (*warp_partials)[WARPS_M][WARPS_N][K];
-  compute_t (*cta_partials)[EVEN_K];
+  compute_t (*cta_partials)[EVEN_K];  // [parity * SENDERS + sender]
+  unsigned long long* landed;         // PUSHED_EXCHANGE: [parity] mbarriers, a phase an exchange
   int parity = 0;
   int cluster_parity = 0;  // CTA_ONLY's
+  unsigned phases = 0;     // PUSHED_EXCHANGE: bit p, the phase of landed[p] to wait for
 
-  __device__ __forceinline__ RowReducer(compute_t (*warps)[WARPS_M][WARPS_N][K], compute_t (*ctas)[EVEN_K])
-      : warp_partials(warps), cta_partials(ctas) {}
+  __device__ __forceinline__ RowReducer(compute_t (*warps)[WARPS_M][WARPS_N][K], compute_t (*ctas)[EVEN_K],
+                                        unsigned long long* bars)
+      : warp_partials(warps), cta_partials(ctas), landed(bars) {
+    if constexpr (PUSHED_EXCHANGE) {
+      if (threadIdx.x == 0) init_mbarriers<2>(landed);
+      cluster_sync();  // the peers' mbarriers exist before anything is sent to them
+    }
+  }
 
   static __device__ __forceinline__ compute_t combine(compute_t a, compute_t b) {
     if constexpr (MAX) return a > b ? a : b;
@@ -545,6 +563,23 @@ struct RowReducer {                                          // scaling) instead
 
   // The CTAs' slots in use.
   __device__ __forceinline__ int cta_slots() const { return CTA_ONLY ? cluster_parity : parity; }
+
+  // (PUSHED_EXCHANGE) Sends this CTA's J values (the same in every thread) to every CTA of the cluster, itself
+  // included (thread r to rank r), and waits until every CTA's have landed here: then sender r's values are
+  // cta_partials[slot * SENDERS + r]. The caller's barrier since its threads' last reads of `slot` comes first.
+  template <int J>
+  __device__ __forceinline__ void push_and_wait(const compute_t (&v)[J], int slot) {
+    const int me = blockIdx.x % CTAS_PER_ROW;  // this CTA's rank (Coords::cta_rank)
+    if (threadIdx.x == 0) mbarrier_arrive_expecting(&landed[slot], CTAS_PER_ROW * J * sizeof(compute_t));
+    if (threadIdx.x < CTAS_PER_ROW) {
+      const unsigned bar = cluster_address(&landed[slot], threadIdx.x);
+#pragma unroll
+      for (int k = 0; k < J; ++k)
+        store_async(cluster_address(&cta_partials[slot * SENDERS + me][k], threadIdx.x), v[k], bar);
+    }
+    mbarrier_wait(&landed[slot], (phases >> slot) & 1u);
+    phases ^= 1u << slot;
+  }
 
   // ROW_ONLY: the threads of other rows of the CTA need not take part (its barrier is the row's own warps').
   // ACROSS_CLUSTER false (CTA_ONLY): the CTA's part of the row only. J values (the first J of the scratch's K).
@@ -569,7 +604,19 @@ struct RowReducer {                                          // scaling) instead
         v[k] = s;
       }
     }
-    if constexpr (CTAS_PER_ROW > 1 && ACROSS_CLUSTER) {
+    if constexpr (CTAS_PER_ROW > 1 && ACROSS_CLUSTER && PUSHED_EXCHANGE) {
+      if constexpr (WARPS_N == 1) __syncwarp();  // a CTA of one warp: no barrier above
+      push_and_wait(v, cta_slots());
+      compute_t s[J] = {};  // rank by rank, in the same order as below
+#pragma unroll
+      for (int r = 0; r < CTAS_PER_ROW; ++r) {
+#pragma unroll
+        for (int k = 0; k < J; ++k) s[k] = combine(s[k], cta_partials[cta_slots() * SENDERS + r][k]);
+      }
+#pragma unroll
+      for (int k = 0; k < J; ++k) v[k] = s[k];
+      if constexpr (CTA_ONLY) cluster_parity ^= 1;
+    } else if constexpr (CTAS_PER_ROW > 1 && ACROSS_CLUSTER) {
       if (threadIdx.x == 0) {
 #pragma unroll
         for (int k = 0; k < J; ++k) cta_partials[cta_slots()][k] = v[k];
@@ -605,6 +652,19 @@ struct RowReducer {                                          // scaling) instead
   template <int J, typename F>
   __device__ __forceinline__ void each_cta(const compute_t (&v)[J], F&& f) {
     static_assert(CTA_ONLY && CTAS_PER_ROW > 1 && J >= 1 && J <= K, "RowReducer::each_cta: 1 to K values");
+    if constexpr (PUSHED_EXCHANGE) {
+      __syncthreads();  // this CTA's reads of the slots' last exchange come before its sends
+      push_and_wait(v, cluster_parity);
+#pragma unroll
+      for (int r = 0; r < CTAS_PER_ROW; ++r) {
+        compute_t peer[J];
+#pragma unroll
+        for (int k = 0; k < J; ++k) peer[k] = cta_partials[cluster_parity * SENDERS + r][k];
+        f(r, peer);
+      }
+      cluster_parity ^= 1;
+      return;
+    }
     if (threadIdx.x == 0) {
 #pragma unroll
       for (int k = 0; k < J; ++k) cta_partials[cluster_parity][k] = v[k];
@@ -647,15 +707,17 @@ struct RowReducer {                                          // scaling) instead
 // takes maxima.
 #define CN_ROW_MAX_REDUCER(name)                                  \
   __shared__ compute_t name##_warps[2][WARPS_M][WARPS_N][1];      \
-  __shared__ compute_t name##_ctas[2][1];                         \
-  RowReducer<1, true> name(name##_warps, name##_ctas)
+  __shared__ compute_t name##_ctas[2 * RowReducer<1, true>::SENDERS][1]; \
+  __shared__ unsigned long long name##_landed[2];                 \
+  RowReducer<1, true> name(name##_warps, name##_ctas, name##_landed)
 
 #define CN_ROW_REDUCER(K, name) CN_ROW_REDUCER_OF(K, false, name)
 // CTA_ONLY: see RowReducer.
 #define CN_ROW_REDUCER_OF(K, CTA_ONLY, name)                      \
   __shared__ compute_t name##_warps[2][WARPS_M][WARPS_N][K];      \
-  __shared__ __align__(16) compute_t name##_ctas[2][RowReducer<K>::EVEN_K]; \
-  RowReducer<K, false, CTA_ONLY> name(name##_warps, name##_ctas)
+  __shared__ __align__(16) compute_t name##_ctas[2 * RowReducer<K>::SENDERS][RowReducer<K>::EVEN_K]; \
+  __shared__ unsigned long long name##_landed[2];                 \
+  RowReducer<K, false, CTA_ONLY> name(name##_warps, name##_ctas, name##_landed)
 
 // A CTA must not exit while cluster peers may still read its shared memory.
 __device__ __forceinline__ void finish_cluster() {

@@ -237,3 +237,25 @@ def test_merged_moments_compile_clean_where_the_two_pass_shape_does(dtype, resid
                 assert compile_only(t.replace(merged_moments=True), 90).clean, t.short()
                 checked += 1
     assert checked >= 2
+
+
+def test_pushed_exchanges_compile_clean_where_the_barrier_exchange_does():
+    """The tier-C sample of cluster rows with pushed exchanges (tests/test_gpu_pushed_exchange.py), both ways:
+    legal on sm_90, and the pushed kernels spill-free wherever the barrier exchange's are (its mbarriers and
+    peer addresses cost a few registers; slots a sender cost shared memory, not registers)."""
+    from test_gpu_pushed_exchange import CASES
+
+    from cunorm import check
+
+    clean = 0
+    for op, n, dtype, ctas, warps, knobs, fields in CASES:
+        shape = dict(ctas_per_row=ctas, warps_n=warps, stages=1, cache_weights=False, **knobs)
+        case = check.Case(op, n, 37, dtype, "float32" if dtype in ("float32", "float64") else "bfloat16", **fields)
+        barrier = dispatch.from_knobs(shape, **check.case_call(case))
+        barrier.check_arch(90)
+        pushed = barrier.replace(pushed_exchange=True)
+        assert "PUSHED_EXCHANGE=1" in pushed.short() and pushed.launches() == barrier.launches()
+        if compile_only(barrier, 90).clean:
+            assert compile_only(pushed, 90).clean, pushed.short()
+            clean += 1
+    assert clean >= len(CASES) - 2, clean

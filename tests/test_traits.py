@@ -38,6 +38,7 @@ def test_derived_quantities_match_the_kernel_formulas():
     (dict(smem_accumulators=True), "backward knob"),
     (dict(merged_moments=True), "LayerNorm forwards of cluster rows"),
     (dict(merged_moments=True, ctas_per_row=2, rms=True), "LayerNorm forwards of cluster rows"),
+    (dict(pushed_exchange=True), "pushed_exchange is a knob of cluster rows"),
     (dict(hidden_size=0), "positive"),
 ])
 def test_illegal_traits_name_the_rule(changes, rule):

@@ -219,6 +219,54 @@ def test_layer_norm_cluster_forwards_are_refined_with_merged_moments_too():
         assert not any(t.merged_moments for t in tune.refinements(shape)), call
 
 
+@pytest.mark.parametrize("pushed", [False, True])
+def test_cluster_rows_are_refined_with_the_other_exchange_too(pushed):
+    """Each refinement of a cluster row (forward or backward, staged or unstaged, merged moments or not) is
+    tried again with the other exchange (pushed or barrier); one-CTA rows never."""
+    from cunorm import dispatch
+
+    for call, unstaged in ((dict(hidden_size=65536), False), (dict(hidden_size=131072), True),
+                           (dict(hidden_size=65536, rms=True, backward=True), False)):
+        shape = dispatch.choose(input_dtype="float32", tuned=False, **call)[0]
+        shape = shape.replace(persistent=False, stages=1) if unstaged else shape
+        extras = tune.refinements(shape.replace(pushed_exchange=pushed))
+        same = [t for t in extras if t.pushed_exchange == pushed]
+        assert shape.ctas_per_row > 1 and same, call
+        assert sorted(t.short() for t in extras if t.pushed_exchange != pushed) == sorted(
+            t.replace(pushed_exchange=not pushed).short() for t in same), call
+    shape = dispatch.choose(hidden_size=4096, input_dtype="float32", tuned=False)[0]
+    assert shape.ctas_per_row == 1 and not any(t.pushed_exchange for t in tune.refinements(shape))
+
+
+def test_cluster_rows_are_screened_with_pushed_exchanges():
+    """Every candidate shape of cluster rows (staged or unstaged, forward and backward) has pushed_exchange on,
+    and no one-CTA shape has it."""
+    for backward in (False, True):
+        shapes = tune.candidates(16384, "bfloat16", backward)
+        assert any(t.ctas_per_row == 1 for t in shapes) and any(t.ctas_per_row > 1 for t in shapes)
+        assert all(t.pushed_exchange == (t.ctas_per_row > 1) for t in shapes), backward
+
+
+class _Pushed:
+    """Stands for every knob set with pushed_exchange on (as StandIn.spills: they spill)."""
+
+    def __contains__(self, knobs):
+        return dict(knobs)["pushed_exchange"]
+
+
+def test_a_pushed_shape_that_spills_is_timed_with_the_barrier_exchange(gpu):
+    """Where pushed exchanges spill, a cluster row's shape is screened (and refined) with the barrier exchange
+    instead of being dropped; and what spills is never timed."""
+    gpu.spills = _Pushed()
+    assert run_tune("--sizes", "65536", "--ops", "fwd,rms-bwd").exit_code == 0
+    for key in saved().entries:
+        timed = gpu.timed_knobs(key, 65536, "bfloat16")
+        assert not any(dict(k)["pushed_exchange"] for k in timed), key
+        screened = tune.candidates(65536, "bfloat16", key.backward, rms=key.rms)
+        assert sum(t.uses_cluster for t in screened) > 1
+        assert {frozen(t.replace(pushed_exchange=False).knobs()) for t in screened} <= set(timed), key
+
+
 def test_forward_candidates_include_each_shape_unstaged_at_both_screening_caps():
     """Every forward shape, cluster shapes included, is also screened unstaged at each of
     UNSTAGED_SCREEN_CAPS with weights held and re-read (one cap and held weights alone dropped LayerNorm
@@ -473,7 +521,7 @@ def test_what_dispatch_runs_today_competes(gpu):
     table.put(key, incumbent, ms=1.0, fraction_of_copy=0.5, spread=[0.5, 0.5], dtype="bfloat16", measured_n=1024)
     tables.save(table)
     assert run_tune("--sizes", "1024", "--ops", "fwd", "--fresh").exit_code == 0
-    # A table entry written before a knob existed (lanes_per_row, persistent, merged_moments here) is timed with
-    # that knob's default.
-    assert frozen({**incumbent, "lanes_per_row": 32, "persistent": True, "merged_moments": False}) in gpu.timed_knobs(
-        key, 1024, "bfloat16")
+    # A table entry written before a knob existed (lanes_per_row, persistent, merged_moments, pushed_exchange
+    # here) is timed with that knob's default.
+    assert frozen({**incumbent, "lanes_per_row": 32, "persistent": True, "merged_moments": False,
+                   "pushed_exchange": False}) in gpu.timed_knobs(key, 1024, "bfloat16")

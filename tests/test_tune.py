@@ -2,6 +2,7 @@
 their own time (and advance a stand-in clock), whose compiles report local
 memory for planted knobs and whose float64 check fails for planted knobs;
 the real code paths run around them. Tier C (marked gpu) runs a small tune."""
+import collections
 import itertools
 import json
 import math
@@ -265,6 +266,19 @@ def test_a_pushed_shape_that_spills_is_timed_with_the_barrier_exchange(gpu):
         screened = tune.candidates(65536, "bfloat16", key.backward, rms=key.rms)
         assert sum(t.uses_cluster for t in screened) > 1
         assert {frozen(t.replace(pushed_exchange=False).knobs()) for t in screened} <= set(timed), key
+
+
+def test_each_candidate_is_timed_once_before_the_final_rounds(gpu):
+    """A barrier shape standing in for a spilling pushed one, already there itself (dispatch's pick, a
+    refinement's twin), is not timed again: so FINALISTS distinct shapes reach the final rounds."""
+    gpu.spills = _Pushed()
+    rounds = 2
+    assert run_tune("--sizes", "65536", "--ops", "fwd,rms-bwd", "--rounds", str(rounds)).exit_code == 0
+    for key in saved().entries:
+        op = op_of(key)
+        counts = collections.Counter(k for o, n, d, k in gpu.timed if o == op)
+        assert set(counts.values()) == {1, 1 + rounds}, key  # screened once; a finalist, once a round too
+        assert sum(c == 1 + rounds for c in counts.values()) == tune.FINALISTS, key
 
 
 def test_forward_candidates_include_each_shape_unstaged_at_both_screening_caps():

@@ -258,4 +258,4 @@ def test_pushed_exchanges_compile_clean_where_the_barrier_exchange_does():
         if compile_only(barrier, 90).clean:
             assert compile_only(pushed, 90).clean, pushed.short()
             clean += 1
-    assert clean >= len(CASES) - 2, clean
+    assert clean == len(CASES), f"{clean} of {len(CASES)} spill-free with the barrier exchange"  # else vacuous

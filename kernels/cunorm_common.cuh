@@ -256,6 +256,11 @@ struct Vec {
   }
 };
 
+// The 32-bit shared-state-space address of `local` (a __shared__ address), as PTX's shared:: operands take it.
+__device__ __forceinline__ unsigned shared_address(const void* local) {
+  return static_cast<unsigned>(__cvta_generic_to_shared(local));
+}
+
 // Asynchronous global -> shared copies (sm_80+): the data skips registers, so
 // rows in flight cost shared memory instead. Copies the first `src_bytes`
 // (0..BYTES) bytes and fills the rest with zeros; with 0 it reads nothing
@@ -263,7 +268,7 @@ struct Vec {
 template <int BYTES>
 __device__ __forceinline__ void cp_async_zfill(void* smem, const void* gmem, int src_bytes) {
   static_assert(BYTES == 4 || BYTES == 8 || BYTES == 16, "cp.async moves 4, 8 or 16 bytes");
-  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  const unsigned dst = shared_address(smem);
   if constexpr (BYTES == 16)
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(gmem), "r"(src_bytes) : "memory");
   else
@@ -323,17 +328,13 @@ __device__ __forceinline__ void cluster_sync() {
 __device__ __forceinline__ unsigned cluster_address(const void* local, unsigned rank) {
   unsigned remote = 0;
 #if __CUDA_ARCH__ >= 900
-  const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(local));
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(addr), "r"(rank));
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(shared_address(local)), "r"(rank));
 #endif
   return remote;
 }
 // Pushed exchanges (PUSHED_EXCHANGE): a CTA writes its partials into each peer's shared memory with st.async,
 // whose bytes count down the receiver's mbarrier; the receiver waits on its own mbarrier, not on a cluster
 // barrier (whose release first waits for the CTA's outstanding global stores).
-__device__ __forceinline__ unsigned shared_address(const void* local) {
-  return static_cast<unsigned>(__cvta_generic_to_shared(local));
-}
 // Makes bars[0..N) mbarriers whose phases complete on one arrival (and the bytes that arrival announces),
 // visible to the cluster's st.async once a cluster barrier has followed.
 template <int N>

@@ -275,13 +275,12 @@ def _plan(args: dict, traits) -> CallPlan:
     traits (the layout's alignment caps the vector width), the launch."""
     O = args["out"]
     lead = tuple(O.array.shape[:-1])
-    result = lambda objs, made: made[0]  # noqa: E731
     delta = Output("delta", lead, np.dtype(delta_dtype(dtypes.name_of(O.array.dtype),
                                                       dtypes.name_of(args["grad_out"].array.dtype))))
     kind, device = O.array.kind, O.array.device_id
     laid, copies, _ = layout_of(args)
     if laid is None:
-        return CallPlan(kind, device, NAMES, (), outputs=(delta,), zeros=("delta",), result=result)
+        return CallPlan(kind, device, NAMES, (), outputs=(delta,), zeros=("delta",))
     tensors, sizes, (ost, gst) = laid.pop("tensors"), laid.pop("sizes"), laid.pop("strides")
     if traits is not None:  # the caller's knobs, checked against the layout below
         laid.pop("max_elts_per_ldg")
@@ -298,5 +297,4 @@ def _plan(args: dict, traits) -> CallPlan:
     launch = Launch(kern, grid, [("ptr", "out"), ("ptr", "grad_out"), ("ptr", "delta"), ("u32", rows),
                                  ("u32", sizes[1]), ("u32", sizes[2]), *(("i64", s) for s in ost),
                                  *(("i64", s) for s in gst)])
-    return CallPlan(kind, device, NAMES, (launch,), outputs=(delta,), copies=tuple(n for n in NAMES if n in copies),
-                    result=result)
+    return CallPlan(kind, device, NAMES, (launch,), outputs=(delta,), copies=tuple(n for n in NAMES if n in copies))

@@ -90,20 +90,13 @@ class CupyKind:
         of an argument C-contiguous with its shape and dtype, or None (unused here: one allocation)."""
         import cupy
 
-        # CuPy has no fp8 dtype: fp8 outputs come back as uint8 arrays of their bits (documented).
-        specs = [(shape, np.dtype(np.uint8) if dt in _FP8_DTYPES else dt, *rest) for shape, dt, *rest in specs]
-        starts, total = _layout(specs)
-        alloc, ndarray = cupy.cuda.alloc, cupy.ndarray
         if not specs:
             return lambda device_id, objs: ([], [])
-        if len(specs) == 1 and not starts[0]:
-            shape, dt = specs[0][:2]
-
-            def make_one(device_id: int, objs):
-                mem = alloc(total)
-                return [ndarray(shape, dt, mem)], [mem.ptr]
-
-            return make_one
+        if len(specs) == 1:
+            return _as_lists(CupyKind.output(specs[0], anchor))
+        specs = [_cupy_spec(spec) for spec in specs]
+        starts, total = _layout(specs)
+        alloc, ndarray = cupy.cuda.alloc, cupy.ndarray
         parts = [(shape, dt, start) for (shape, dt, *_), start in zip(specs, starts)]
 
         def make(device_id: int, objs):
@@ -111,6 +104,27 @@ class CupyKind:
             base = mem.ptr
             return ([ndarray(shape, dt, mem + start if start else mem) for shape, dt, start in parts],
                     [base + start for start in starts])
+
+        return make
+
+    @staticmethod
+    def output(spec, anchor: int, like=None) -> object:
+        """As `allocation` for one output, returning (array, pointer): what a plan with one output calls."""
+        import cupy
+
+        shape, dt, _ = spec = _cupy_spec(spec)
+        (start,), total = _layout([spec])
+        alloc, ndarray = cupy.cuda.alloc, cupy.ndarray
+        if start:
+            def make_at(device_id: int, objs):
+                mem = alloc(total)
+                return ndarray(shape, dt, mem + start), mem.ptr + start
+
+            return make_at
+
+        def make(device_id: int, objs):
+            mem = alloc(total)
+            return ndarray(shape, dt, mem), mem.ptr
 
         return make
 
@@ -142,6 +156,22 @@ class CupyKind:
 
 
 _FP8_DTYPES = tuple(dtypes.FP8.values())
+
+
+def _cupy_spec(spec) -> tuple:
+    """(shape, dtype, offset) of an output as CuPy holds it: CuPy has no fp8 dtype, so fp8 outputs come back
+    as uint8 arrays of their bits (documented)."""
+    shape, dt, offset = spec[:3]
+    return shape, np.dtype(np.uint8) if dt in _FP8_DTYPES else dt, offset
+
+
+def _as_lists(make_one):
+    """An `allocation` function (lists of arrays and pointers) from a kind's `output` function."""
+    def make(device_id: int, objs):
+        a, ptr = make_one(device_id, objs)
+        return [a], [ptr]
+
+    return make
 
 
 def _cupy_alloc(nbytes: int):
@@ -229,35 +259,18 @@ class TorchKind:
         elements on, sliced from a longer one. An output with a `likes` position (an argument that the
         cache key shows C-contiguous with the output's shape and dtype) is `torch.empty_like` of it: no
         sizes or dtype to parse."""
-        cls.load()
         likes = list(likes or [None] * len(specs))
-        empty_like = cls._torch.empty_like
-        if specs and None not in likes:  # every output like an argument (the plain forward and backward)
-            if len(likes) == 1:
-                at = likes[0]
-
-                def make_one_like(device_id: int, objs):
-                    t = empty_like(objs[at])
-                    return [t], [t.data_ptr()]
-
-                return make_one_like
+        if len(specs) == 1:
+            return _as_lists(cls.output(specs[0], anchor, likes[0]))
+        if specs and None not in likes:  # every output like an argument (the plain backward)
+            empty_like = cls._torch.empty_like
 
             def make_like(device_id: int, objs):
                 out = [empty_like(objs[i]) for i in likes]
                 return out, [t.data_ptr() for t in out]
 
             return make_like
-        # new_empty's arguments: the sizes, or () for a 0-d output.
         made = [(tuple(shape), tuple(shape) or ((),), cls._to_torch[dt], offset) for shape, dt, offset in specs]
-        if len(made) == 1 and not made[0][3]:  # the common forward: one output
-            sizes, tdt = made[0][1:3]
-
-            def make_one(device_id: int, objs):
-                a = objs[anchor]
-                t = a.new_empty(*sizes) if tdt is a.dtype else a.new_empty(*sizes, dtype=tdt)
-                return [t], [t.data_ptr()]
-
-            return make_one
 
         def make(device_id: int, objs):
             a = objs[anchor]
@@ -270,6 +283,36 @@ class TorchKind:
                 else:
                     out.append(a.new_empty(*sizes) if tdt is same else a.new_empty(*sizes, dtype=tdt))
             return out, [t.data_ptr() for t in out]
+
+        return make
+
+    @classmethod
+    def output(cls, spec, anchor: int, like=None) -> object:
+        """As `allocation` for one output, returning (tensor, pointer): what a plan with one output calls."""
+        cls.load()
+        shape, dt, offset = spec[:3]
+        if like is not None:
+            empty_like = cls._torch.empty_like
+
+            def make_like(device_id: int, objs):
+                t = empty_like(objs[like])
+                return t, t.data_ptr()
+
+            return make_like
+        # new_empty's arguments: the sizes, or () for a 0-d output.
+        sizes, tdt = tuple(shape) or ((),), cls._to_torch[dt]
+        if offset:
+            def make_at(device_id: int, objs):
+                t = objs[anchor].new_empty(math.prod(shape) + offset, dtype=tdt)[offset:]
+                t = t.view(shape) if len(shape) != 1 else t
+                return t, t.data_ptr()
+
+            return make_at
+
+        def make(device_id: int, objs):
+            a = objs[anchor]
+            t = a.new_empty(*sizes) if tdt is a.dtype else a.new_empty(*sizes, dtype=tdt)
+            return t, t.data_ptr()
 
         return make
 

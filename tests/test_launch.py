@@ -110,6 +110,49 @@ def test_absent_arguments_are_constant_zeros(launched):
     assert len(k._get([0] * 4)) == 3  # a, c and y: b is a constant
 
 
+def test_a_one_launch_plan_runs_its_own_closure_and_makes_its_one_output_through_output(launched, monkeypatch):
+    """A plain plan of one launch runs a closure of its own (`CallPlan._one_launch_run`); where the call
+    returns its one output (result None) and the kind has `output`, that output is made by it (not
+    `allocation`) and returned as is. Every call writes its own pointers and scalars; another current
+    device takes the general run (which makes the output through `allocation`)."""
+    made = []
+
+    class Kind:
+        @staticmethod
+        def allocation(specs, anchor, likes=None):
+            return lambda device_id, objs: (made.append("allocation") or ["general"], [2000])
+
+        @staticmethod
+        def output(spec, anchor, like=None):
+            assert spec[0] == (4,) and anchor == 0 and like is None
+
+            def make(device_id, objs):
+                made.append("output")
+                return f"y{len(made)}", 1000 + len(made)
+
+            return make
+
+        @staticmethod
+        def stream(device_id):
+            return 3
+
+    k = launch.Launch(_kernel(), 1, [("ptr", "a"), ("ptr", "y"), ("f32", "eps")])
+    monkeypatch.setattr(launch, "_current_device", lambda: 0)
+    plan = launch.CallPlan(Kind, 0, ("a",), (k,), outputs=[launch.Output("y", (4,), np.dtype("f4"))],
+                           scalars=("eps",))
+    assert plan.run.__name__ == "run_one_output"
+    assert plan.run(("A",), [10], (launch.f32_bits(1.0),)) == "y1"
+    assert _slot_values(k)[:2] == [10, 1001] and np.uint32(_slot_values(k)[2]).view(np.float32) == 1.0
+    assert plan.run(("A",), [11], (launch.f32_bits(2.0),)) == "y2"
+    assert _slot_values(k)[:2] == [11, 1002] and np.uint32(_slot_values(k)[2]).view(np.float32) == 2.0
+    assert made == ["output", "output"] and len(launched) == 2
+    general = []
+    monkeypatch.setattr(launch.CallPlan, "run", lambda self, objs, ptrs, scalars=(): general.append(ptrs) or "g")
+    plan = launch.CallPlan(Kind, 1, ("a",), (k,), outputs=[launch.Output("y", (4,), np.dtype("f4"))],
+                           scalars=("eps",))
+    assert plan.run(("A",), [12], (0,)) == "g" and general == [[12]] and len(launched) == 2
+
+
 def test_scratch_arena_per_stream(monkeypatch):
     """Working memory comes from one block per (kind, device, stream), made
     (with its control words zeroed, once) on first use and grown when a call

@@ -288,6 +288,8 @@ def _picker(picks: list):
         return None if pick is None else pick[0], None if pick is None else pick[1]
 
     picks = [one(p) for p in picks]
+    if picks == [("made", 0)]:
+        return None  # CallPlan: the call returns its first output
     if len(picks) == 1:
         src, i = picks[0]
         return (lambda objs, made: made[i]) if src == "made" else (lambda objs, made: objs[i])

@@ -259,6 +259,7 @@ class TorchKind:
         elements on, sliced from a longer one. An output with a `likes` position (an argument that the
         cache key shows C-contiguous with the output's shape and dtype) is `torch.empty_like` of it: no
         sizes or dtype to parse."""
+        cls.load()
         likes = list(likes or [None] * len(specs))
         if len(specs) == 1:
             return _as_lists(cls.output(specs[0], anchor, likes[0]))
@@ -270,6 +271,7 @@ class TorchKind:
                 return out, [t.data_ptr() for t in out]
 
             return make_like
+        # new_empty's arguments: the sizes, or () for a 0-d output.
         made = [(tuple(shape), tuple(shape) or ((),), cls._to_torch[dt], offset) for shape, dt, offset in specs]
 
         def make(device_id: int, objs):

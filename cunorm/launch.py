@@ -7,9 +7,10 @@ planning; a call writes only its pointers and per-call scalars into their
 slots and hands the array to cuLaunchKernel (CuPy's driver binding): no
 argument objects, no CuPy kernel wrapper. `CallPlan.run` is the whole of a
 repeated call: copies the plan asks for, fresh outputs, the `out=` overlap
-test, working memory (`scratch.scratch_pointer`), the launches, the result. Names are
-resolved to positions once, when the plan is built, so a call moves lists,
-not dictionaries.
+test, working memory (`scratch.scratch_pointer`), the launches, the result; a
+plan of one plain launch replaces it with a closure that does only what such a
+call needs (`CallPlan._one_launch_run`). Names are resolved to positions once,
+when the plan is built, so a call moves lists, not dictionaries.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import math
 import operator
 import struct
 import threading
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
@@ -117,7 +119,7 @@ class Launch:
         self._one = picks[0] if len(picks) == 1 else None  # itemgetter of one position gives no tuple
         self._get = operator.itemgetter(*picks) if len(picks) > 1 else None
 
-    def __call__(self, values: list, stream: int):  # CallPlan.run does the same inline
+    def __call__(self, values: list, stream: int):  # CallPlan.run and its one-launch closure do the same inline
         if self._get is not None:
             self._pack(self.slots, 0, *self._get(values))
         elif self._one is not None:
@@ -262,40 +264,28 @@ class CallPlan:
         everything it reads bound once (closure cells, not attribute lookups), and, where the call returns
         its one output (`result` None), that output made by the kind's `output` (no lists, no picker). It
         saves about a microsecond of a repeated call's ten on a GPU host (`docs/PERFORMANCE.md` version 64).
-        `_launch` and `_current_device` stay module globals, looked up per call (tests spy on them)."""
+        `_launch` and `_current_device` stay module globals, looked up per call (tests spy on them); another
+        current device takes the general run. A kind's `output(spec, anchor, like)` is optional."""
         (pack, get, one, slots, _, function, grid, threads, smem, params), = self._calls
         device_id, make_outputs, stream_of, result = self.device_id, self.make_outputs, self.stream_of, self.result
-        general, lock = CallPlan.run.__get__(self), _launch_lock
+        plan, lock = weakref.ref(self), _launch_lock  # a weak reference: the plan holds this closure
         if pack is None:  # no per-call slot
             pack, get = (lambda slots, at: None), (lambda values: ())
         elif get is None:  # one per-call slot: its value as a 1-tuple
             get = lambda values: (values[one],)  # noqa: E731
-        make_output = getattr(self.kind, "output", None)
-        if result is None and len(specs) == 1 and make_output is not None:
-            make_output = make_output(specs[0], anchor, likes[0])
-
-            def run_one_output(objs: tuple, ptrs: list, scalars: tuple = ()):
-                if _current_device() != device_id:
-                    return general(objs, ptrs, scalars)
-                made, made_ptr = make_output(device_id, objs)
-                values = ptrs + [made_ptr]
-                values += scalars
-                stream = stream_of(device_id)
-                lock.acquire()
-                try:
-                    pack(slots, 0, *get(values))
-                    _launch(function, grid, 1, 1, threads, 1, 1, smem, stream, params, 0)
-                finally:
-                    lock.release()
-                return made
-
-            return run_one_output
+        output_of = getattr(self.kind, "output", None)
+        make_one = output_of(specs[0], anchor, likes[0]) if (
+            result is None and len(specs) == 1 and output_of is not None) else None
 
         def run(objs: tuple, ptrs: list, scalars: tuple = ()):
             if _current_device() != device_id:
-                return general(objs, ptrs, scalars)
-            made, made_ptrs = make_outputs(device_id, objs)
-            values = ptrs + made_ptrs
+                return CallPlan.run(plan(), objs, ptrs, scalars)
+            if make_one is not None:
+                made, made_ptr = make_one(device_id, objs)
+                values = ptrs + [made_ptr]
+            else:
+                made, made_ptrs = make_outputs(device_id, objs)
+                values = ptrs + made_ptrs
             values += scalars
             stream = stream_of(device_id)
             lock.acquire()
@@ -304,6 +294,8 @@ class CallPlan:
                 _launch(function, grid, 1, 1, threads, 1, 1, smem, stream, params, 0)
             finally:
                 lock.release()
+            if make_one is not None:
+                return made
             return made[0] if result is None else result(objs, made)
 
         return run

@@ -1,4 +1,5 @@
 """Tier A: packed launch arguments (no GPU: the driver call is intercepted)."""
+import weakref
 from types import SimpleNamespace
 
 import numpy as np
@@ -117,8 +118,9 @@ def test_absent_arguments_are_constant_zeros(launched):
 def test_a_one_launch_plan_runs_its_own_closure_and_makes_its_one_output_through_output(launched, monkeypatch):
     """A plain plan of one launch runs a closure of its own (`CallPlan._one_launch_run`); where the call
     returns its one output (result None) and the kind has `output`, that output is made by it (not
-    `allocation`) and returned as is. Every call writes its own pointers and scalars; another current
-    device takes the general run (which makes the output through `allocation`)."""
+    `allocation`) and returned as is; with a picker, `allocation` makes the outputs. Every call writes its
+    own pointers and scalars (none where every parameter is a constant); another current device takes the
+    general run; a dropped plan is freed at once (the closure holds it weakly)."""
     made = []
 
     class Kind:
@@ -144,17 +146,30 @@ def test_a_one_launch_plan_runs_its_own_closure_and_makes_its_one_output_through
     monkeypatch.setattr(launch, "_current_device", lambda: 0)
     plan = launch.CallPlan(Kind, 0, ("a",), (k,), outputs=[launch.Output("y", (4,), np.dtype("f4"))],
                            scalars=("eps",))
-    assert plan.run.__name__ == "run_one_output"
+    assert not hasattr(plan.run, "__self__")  # the closure, not the bound general run
     assert plan.run(("A",), [10], (launch.f32_bits(1.0),)) == "y1"
     assert _slot_values(k)[:2] == [10, 1001] and np.uint32(_slot_values(k)[2]).view(np.float32) == 1.0
     assert plan.run(("A",), [11], (launch.f32_bits(2.0),)) == "y2"
     assert _slot_values(k)[:2] == [11, 1002] and np.uint32(_slot_values(k)[2]).view(np.float32) == 2.0
     assert made == ["output", "output"] and len(launched) == 2
+    # A picker's result (several outputs, stats): the outputs come from `allocation`, the picker picks.
+    picked = launch.CallPlan(Kind, 0, ("a",), (k,), outputs=[launch.Output("y", (4,), np.dtype("f4"))],
+                             scalars=("eps",), result=lambda objs, made: ("picked", made[0]))
+    assert picked.run(("A",), [13], (0,)) == ("picked", "general") and made[-1] == "allocation"
+    assert _slot_values(k)[:2] == [13, 2000]
+    # No per-call slot at all (every parameter a constant): launched as packed.
+    fixed = launch.Launch(_kernel(), 1, [("i64", 7)])
+    launch.CallPlan(Kind, 0, ("a",), (fixed,), outputs=[launch.Output("y", (4,), np.dtype("f4"))]).run(("A",), [14])
+    assert _slot_values(fixed) == [7] and len(launched) == 4
+    # The plan holds its closure, the closure only a weak reference to the plan: no cycle left for the collector.
+    gone = weakref.ref(picked)
+    del picked
+    assert gone() is None
     general = []
     monkeypatch.setattr(launch.CallPlan, "run", lambda self, objs, ptrs, scalars=(): general.append(ptrs) or "g")
     plan = launch.CallPlan(Kind, 1, ("a",), (k,), outputs=[launch.Output("y", (4,), np.dtype("f4"))],
                            scalars=("eps",))
-    assert plan.run(("A",), [12], (0,)) == "g" and general == [[12]] and len(launched) == 2
+    assert plan.run(("A",), [12], (0,)) == "g" and general == [[12]] and len(launched) == 4
 
 
 def test_scratch_arena_per_stream(monkeypatch):

@@ -280,8 +280,7 @@ class TorchKind:
             out = []
             for shape, sizes, tdt, offset in made:
                 if offset:
-                    t = a.new_empty(math.prod(shape) + offset, dtype=tdt)[offset:]
-                    out.append(t.view(shape) if len(shape) != 1 else t)
+                    out.append(_empty_at(a, shape, tdt, offset))
                 else:
                     out.append(a.new_empty(*sizes) if tdt is same else a.new_empty(*sizes, dtype=tdt))
             return out, [t.data_ptr() for t in out]
@@ -305,8 +304,7 @@ class TorchKind:
         sizes, tdt = tuple(shape) or ((),), cls._to_torch[dt]
         if offset:
             def make_at(device_id: int, objs):
-                t = objs[anchor].new_empty(math.prod(shape) + offset, dtype=tdt)[offset:]
-                t = t.view(shape) if len(shape) != 1 else t
+                t = _empty_at(objs[anchor], shape, tdt, offset)
                 return t, t.data_ptr()
 
             return make_at
@@ -343,6 +341,13 @@ class TorchKind:
     @staticmethod
     def zero(a):
         a.zero_()
+
+
+def _empty_at(a, shape: tuple, tdt, offset: int):
+    """A fresh torch tensor of `shape` and dtype `tdt` beside `a`, `offset` elements past the start of its
+    allocation: sliced from a longer one."""
+    t = a.new_empty(math.prod(shape) + offset, dtype=tdt)[offset:]
+    return t.view(shape) if len(shape) != 1 else t
 
 
 class NumpyKind:

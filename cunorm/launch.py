@@ -115,15 +115,18 @@ class Launch:
         # The parameter array cuLaunchKernel reads: the address of each parameter's first slot.
         self._params = array.array("Q", (address + 8 * i for i in firsts))
         self.params = self._params.buffer_info()[0]
-        self._pack = struct.Struct(f"<{len(picks)}Q").pack_into if picks else None
-        self._one = picks[0] if len(picks) == 1 else None  # itemgetter of one position gives no tuple
-        self._get = operator.itemgetter(*picks) if len(picks) > 1 else None
+        # A call packs _get(values), always a tuple (itemgetter of one position gives no tuple; of none, nothing).
+        self._pack = struct.Struct(f"<{len(picks)}Q").pack_into
+        if len(picks) > 1:
+            self._get = operator.itemgetter(*picks)
+        elif picks:
+            at = picks[0]
+            self._get = lambda values: (values[at],)
+        else:
+            self._get = lambda values: ()
 
     def __call__(self, values: list, stream: int):  # CallPlan.run and its one-launch closure do the same inline
-        if self._get is not None:
-            self._pack(self.slots, 0, *self._get(values))
-        elif self._one is not None:
-            self._pack(self.slots, 0, values[self._one])
+        self._pack(self.slots, 0, *self._get(values))
         if self.cooperative:
             _launch_cooperative(self.function, self.grid, 1, 1, self.threads, 1, 1, self.smem, stream, self.params)
         else:
@@ -253,10 +256,10 @@ class CallPlan:
         for launch in self.launches:
             launch.bind(positions)
         # Per launch: what Launch.__call__ reads (after bind), so that run launches without a frame per kernel.
-        self._calls = tuple((k._pack, k._get, k._one, k.slots, k.cooperative, k.function, k.grid, k.threads, k.smem,
-                             k.params) for k in self.launches)
+        self._calls = tuple((k._pack, k._get, k.slots, k.cooperative, k.function, k.grid, k.threads, k.smem, k.params)
+                            for k in self.launches)
         self._plain = given_out is None and not self.copies and not self.zeros  # run skips their steps
-        if self._plain and len(self._calls) == 1 and not self.scratch_bytes and not self._calls[0][4]:
+        if self._plain and len(self._calls) == 1 and not self.scratch_bytes and not self._calls[0][3]:
             self.run = self._one_launch_run(specs, anchor_at, likes)  # the common plan (a plain forward)
 
     def _one_launch_run(self, specs: list, anchor: int, likes: list):
@@ -266,13 +269,9 @@ class CallPlan:
         saves about a microsecond of a repeated call's ten on a GPU host (`docs/PERFORMANCE.md` version 64).
         `_launch` and `_current_device` stay module globals, looked up per call (tests spy on them); another
         current device takes the general run. A kind's `output(spec, anchor, like)` is optional."""
-        (pack, get, one, slots, _, function, grid, threads, smem, params), = self._calls
+        (pack, get, slots, _, function, grid, threads, smem, params), = self._calls
         device_id, make_outputs, stream_of, result = self.device_id, self.make_outputs, self.stream_of, self.result
         plan, lock = weakref.ref(self), _launch_lock  # a weak reference: the plan holds this closure
-        if pack is None:  # no per-call slot
-            pack, get = (lambda slots, at: None), (lambda values: ())
-        elif get is None:  # one per-call slot: its value as a 1-tuple
-            get = lambda values: (values[one],)  # noqa: E731
         output_of = getattr(self.kind, "output", None)
         make_one = output_of(specs[0], anchor, likes[0]) if (
             result is None and len(specs) == 1 and output_of is not None) else None
@@ -336,11 +335,8 @@ class CallPlan:
                     values.append(control)
                 values += scalars
                 # Launch.__call__, inline (a frame less a kernel): the per-call slots, then the launch.
-                for pack, get, one, slots, cooperative, function, grid, threads, smem, params in self._calls:
-                    if get is not None:
-                        pack(slots, 0, *get(values))
-                    elif one is not None:
-                        pack(slots, 0, values[one])
+                for pack, get, slots, cooperative, function, grid, threads, smem, params in self._calls:
+                    pack(slots, 0, *get(values))
                     if cooperative:
                         _launch_cooperative(function, grid, 1, 1, threads, 1, 1, smem, stream, params)
                     else:

@@ -46,8 +46,11 @@ LATE_DGAMMA_MAX_ELTS = 16  # see Traits.late_dgamma
 REFINE_MIN_OFFSET = 4.0  # REFINE_MEAN refines rows whose mean lies this many std or more from zero
 LANES_PER_ROW = (4, 8, 16, 32)  # lanes of a warp sharing a row: below 32, a warp holds several (short) rows
 # The backward's finalize kernel: warps per CTA (each sums a slice of the partial
-# rows) and columns per CTA (32 lanes x 4 neighbours, or 1 when N % 4 != 0).
+# rows), and the CTAs its grid should have at least where rows are narrow (a CTA's
+# columns: 4 to 32 lanes side by side, x 4 neighbours, or 1 when N % 4 != 0;
+# `Traits.finalize_col_lanes`).
 FINALIZE_WARPS = 16
+FINALIZE_LEAST_CTAS = 128
 QUANT_MODES = ("none", "tensor", "row", "group")  # fp8 output scalings, as kernels/norm_fwd.cu numbers them
 QUANT_GROUP_COLS = 128
 DTYPE_FIELDS = ("input_dtype", "weight_dtype", "bias_dtype", "output_dtype", "residual_dtype",
@@ -394,8 +397,17 @@ class Traits:
         return "norm_bwd.cu" if self.backward else "norm_fwd.cu"
 
     @property
+    def finalize_col_lanes(self) -> int:
+        """Lanes of a finalize warp side by side along the row (the warp's others sum other partial rows):
+        the most of 32, 16, 8 that leaves FINALIZE_LEAST_CTAS CTAs, else 4. With 32 always, an N below 32768
+        ran it on N / 128 CTAs (16 at 2048): LayerNorm's backward was 0.6-1.7% slower at 1024-8192 (version 66
+        of docs/PERFORMANCE.md)."""
+        vecs = self.hidden_size // (4 if self.hidden_size % 4 == 0 else 1)
+        return next((lanes for lanes in (32, 16, 8) if vecs >= lanes * FINALIZE_LEAST_CTAS), 4)
+
+    @property
     def finalize_cols_per_cta(self) -> int:
-        return 32 * (4 if self.hidden_size % 4 == 0 else 1)
+        return self.finalize_col_lanes * (4 if self.hidden_size % 4 == 0 else 1)
 
     def launches(self) -> dict:
         """{kernel name: (threads per CTA, dynamic shared memory bytes, CTAs per
@@ -603,5 +615,6 @@ class Traits:
             "SMEM_BYTES": self.smem_bytes,
             "FINALIZE_WARPS": FINALIZE_WARPS,
             "FINALIZE_COLS_PER_CTA": self.finalize_cols_per_cta,
+            "FINALIZE_COL_LANES": self.finalize_col_lanes,
         }
 

@@ -307,12 +307,16 @@ __device__ __forceinline__ float lane_group_max(float v) {
   return v;
 }
 
-template <int LANES = 32, typename F>
+// The sum over LANES lanes STRIDE apart (lane ^ STRIDE, ^ 2 * STRIDE, ...): by default a warp's
+// neighbouring lanes. Every lane takes part.
+template <int LANES = 32, int STRIDE = 1, typename F>
 __device__ __forceinline__ F warp_sum(F v) {
+  static_assert(LANES * STRIDE <= 32, "lanes of one warp");
   // A butterfly leaves the same bits in every lane: each step adds the same
   // two numbers on both partners, and floating-point addition is commutative.
 #pragma unroll
-  for (int offset = LANES / 2; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
+  for (int offset = LANES / 2 * STRIDE; offset >= STRIDE; offset >>= 1)
+    v += __shfl_xor_sync(0xffffffffu, v, offset);
   return v;
 }
 

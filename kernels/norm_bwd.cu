@@ -559,15 +559,22 @@ norm_bwd(const output_t* dy, const input_t* x, const residual_t* dresidual,
 
 #if !CN_GRID_FINALIZE  // (norm_bwd's grid sums the partials itself instead)
 // Sums the [parts, COLS] partials column by column into dgamma (weight dtype)
-// and dbeta (bias dtype). A CTA owns 32 * FIN_VEC columns (each lane FIN_VEC
-// neighbours, one vector load per partial row); its warps take interleaved
-// partial rows, then warp 0 adds the warps' results in warp order. PER_HEAD:
+// and dbeta (bias dtype). A CTA owns FIN_COL_LANES * FIN_VEC columns: each
+// lane FIN_VEC neighbours (one vector load per partial row), FIN_COL_LANES
+// lanes side by side along the row, and the warp's other lanes, and the other
+// warps, on other partial rows (narrow rows are split this fine so that the
+// grid still fills the GPU: cunorm.Traits.finalize_col_lanes). Each lane sums
+// its partial rows in order, a butterfly adds the warp's lanes of a column,
+// then warp 0 adds the warps' results in warp order: a fixed order. PER_HEAD:
 // [heads, COLS] outputs, partial row p belonging to head p % heads; a CTA
-// owns 32 * FIN_VEC columns of one head.
+// owns its columns of one head.
 constexpr int FINALIZE_WARPS = ${FINALIZE_WARPS};
 constexpr int FIN_VEC = COLS % 4 == 0 ? 4 : 1;
+constexpr int FIN_COL_LANES = ${FINALIZE_COL_LANES};
+constexpr int FIN_ROW_LANES = THREADS_PER_WARP / FIN_COL_LANES;  // a warp's lanes on different partial rows
 using FinVec = Vec<compute_t, FIN_VEC>;
-static_assert(32 * FIN_VEC == ${FINALIZE_COLS_PER_CTA}, "cunorm.Traits.finalize_cols_per_cta disagrees");
+static_assert(FIN_COL_LANES >= 1 && THREADS_PER_WARP % FIN_COL_LANES == 0, "FIN_COL_LANES divides a warp");
+static_assert(FIN_COL_LANES * FIN_VEC == ${FINALIZE_COLS_PER_CTA}, "cunorm.Traits.finalize_cols_per_cta disagrees");
 
 extern "C" __global__ void __launch_bounds__(FINALIZE_WARPS * 32)
 norm_bwd_finalize(const compute_t* __restrict__ dgamma_part, const compute_t* __restrict__ dbeta_part, int parts,
@@ -589,11 +596,14 @@ norm_bwd_finalize(const compute_t* __restrict__ dgamma_part, const compute_t* __
   weight1_t* const dgamma1 = nullptr;
   bias1_t* const dbeta1 = nullptr;
 #endif
-  constexpr int CTAS_PER_HEAD = (COLS / FIN_VEC + 31) / 32;
-  __shared__ FinVec warp_sums[2][FINALIZE_WARPS][32];  // a pair of quantities at a time
+  constexpr int CTAS_PER_HEAD = (COLS / FIN_VEC + FIN_COL_LANES - 1) / FIN_COL_LANES;
+  constexpr int ROW_STREAMS = FINALIZE_WARPS * FIN_ROW_LANES;  // lanes of the CTA on different partial rows
+  __shared__ FinVec warp_sums[2][FINALIZE_WARPS][FIN_COL_LANES];  // a pair of quantities at a time
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int col_lane = lane % FIN_COL_LANES, stream = warp * FIN_ROW_LANES + lane / FIN_COL_LANES;
   const int head = PER_HEAD ? blockIdx.x / CTAS_PER_HEAD : 0;
-  const int vec = (PER_HEAD ? blockIdx.x % CTAS_PER_HEAD : blockIdx.x) * 32 + lane;  // in units of FIN_VEC columns
+  // in units of FIN_VEC columns
+  const int vec = (PER_HEAD ? blockIdx.x % CTAS_PER_HEAD : blockIdx.x) * FIN_COL_LANES + col_lane;
   const bool ok = vec < COLS / FIN_VEC;
   FinVec sg, sb, sg1, sb1;  // sg1, sb1: PARALLEL's
   sg.zero();
@@ -601,7 +611,9 @@ norm_bwd_finalize(const compute_t* __restrict__ dgamma_part, const compute_t* __
   sg1.zero();
   sb1.zero();
   if (ok) {
-    for (int p = head + warp * heads; p < parts; p += FINALIZE_WARPS * heads) {
+    // unrolled: several partial rows' loads in flight a lane, added in order
+#pragma unroll 4
+    for (int p = head + stream * heads; p < parts; p += ROW_STREAMS * heads) {
       FinVec g, b, g1, b1;
       if (HAS_WEIGHT) g.load(dgamma_part + static_cast<long long>(p) * COLS, vec);
       if (HAS_BIAS) b.load(dbeta_part + static_cast<long long>(p) * COLS, vec);
@@ -616,10 +628,20 @@ norm_bwd_finalize(const compute_t* __restrict__ dgamma_part, const compute_t* __
       }
     }
   }
-  warp_sums[0][warp][lane] = sg;
-  warp_sums[1][warp][lane] = sb;
+#pragma unroll
+  for (int e = 0; e < FIN_VEC; ++e) {  // the warp's lanes of a column, every lane (lanes past the row add zeros)
+    if (HAS_WEIGHT) sg.set(e, warp_sum<FIN_ROW_LANES, FIN_COL_LANES>(sg.get(e)));
+    if (HAS_BIAS) sb.set(e, warp_sum<FIN_ROW_LANES, FIN_COL_LANES>(sb.get(e)));
+    if (PARALLEL) sg1.set(e, warp_sum<FIN_ROW_LANES, FIN_COL_LANES>(sg1.get(e)));
+    if (HAS_BIAS1) sb1.set(e, warp_sum<FIN_ROW_LANES, FIN_COL_LANES>(sb1.get(e)));
+  }
+  const bool writes = lane < FIN_COL_LANES;  // (a column's lanes hold the same sums now: its first one)
+  if (writes) {
+    warp_sums[0][warp][lane] = sg;
+    warp_sums[1][warp][lane] = sb;
+  }
   __syncthreads();
-  if (warp == 0 && ok) {
+  if (warp == 0 && writes && ok) {
     sg.zero();
     sb.zero();
 #pragma unroll
@@ -637,10 +659,12 @@ norm_bwd_finalize(const compute_t* __restrict__ dgamma_part, const compute_t* __
   }
   if constexpr (PARALLEL) {  // the second pair in the same slots, once warp 0 has read the first
     __syncthreads();
-    warp_sums[0][warp][lane] = sg1;
-    warp_sums[1][warp][lane] = sb1;
+    if (writes) {
+      warp_sums[0][warp][lane] = sg1;
+      warp_sums[1][warp][lane] = sb1;
+    }
     __syncthreads();
-    if (warp == 0 && ok) {
+    if (warp == 0 && writes && ok) {
       sg1.zero();
       sb1.zero();
 #pragma unroll

@@ -211,6 +211,25 @@ def test_grid_finalize_is_a_backward_flag_with_column_sums():
         t.replace(grid_finalize=True, ctas_per_row=2, warps_n=2)
 
 
+def test_finalize_splits_narrow_rows_over_enough_ctas():
+    """The finalize kernel's columns a CTA: lanes side by side along the row (4 to 32, dividing a warp)
+    times 4 neighbours (1 where N % 4 != 0), narrow rows split finer so that its grid keeps at least
+    FINALIZE_LEAST_CTAS CTAs where 4 lanes allow; the grid covers every column, and the kernel gets the
+    lanes it was sized for (its static_assert checks the product)."""
+    from cunorm import render
+    from cunorm.traits import FINALIZE_LEAST_CTAS
+
+    want = {128: 4, 1000: 4, 2048: 4, 4096: 8, 8192: 16, 16384: 32, 32768: 32, 4097: 32, 4095: 16, 1023: 4}
+    for n, lanes in want.items():
+        t = Traits(hidden_size=n, input_dtype="bfloat16", backward=True, warps_n=min(32, -(-n // 1024)),
+                   bytes_per_ldg=16 if n % 8 == 0 else 2, aligned_rows=n % 8 == 0, stages=1)
+        vec = 4 if n % 4 == 0 else 1
+        assert (t.finalize_col_lanes, t.finalize_cols_per_cta) == (lanes, lanes * vec), n
+        ctas = -(-n // t.finalize_cols_per_cta)
+        assert ctas * t.finalize_cols_per_cta >= n and (ctas >= FINALIZE_LEAST_CTAS or lanes == 4), n
+        assert f"constexpr int FIN_COL_LANES = {lanes};" in render(t)
+
+
 def test_one_launch_policy_and_its_capped_grid():
     """Which backwards sum their partial rows in one launch (few elements, no clusters, with
     column sums), and the grid they get: capped at `most` groups, raised to `least`, yet always

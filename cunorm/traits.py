@@ -397,17 +397,20 @@ class Traits:
         return "norm_bwd.cu" if self.backward else "norm_fwd.cu"
 
     @property
+    def finalize_vec(self) -> int:
+        """Neighbouring columns a finalize lane sums (one vector load a partial row): the kernel's FIN_VEC."""
+        return 4 if self.hidden_size % 4 == 0 else 1
+
+    @property
     def finalize_col_lanes(self) -> int:
         """Lanes of a finalize warp side by side along the row (the warp's others sum other partial rows):
-        the most of 32, 16, 8 that leaves FINALIZE_LEAST_CTAS CTAs, else 4. With 32 always, an N below 32768
-        ran it on N / 128 CTAs (16 at 2048): LayerNorm's backward was 0.6-1.7% slower at 1024-8192 (version 66
-        of docs/PERFORMANCE.md)."""
-        vecs = self.hidden_size // (4 if self.hidden_size % 4 == 0 else 1)
+        the most of 32, 16, 8 that leaves FINALIZE_LEAST_CTAS CTAs, else 4 (docs/PERFORMANCE.md, version 66)."""
+        vecs = self.hidden_size // self.finalize_vec
         return next((lanes for lanes in (32, 16, 8) if vecs >= lanes * FINALIZE_LEAST_CTAS), 4)
 
     @property
     def finalize_cols_per_cta(self) -> int:
-        return self.finalize_col_lanes * (4 if self.hidden_size % 4 == 0 else 1)
+        return self.finalize_col_lanes * self.finalize_vec
 
     def launches(self) -> dict:
         """{kernel name: (threads per CTA, dynamic shared memory bytes, CTAs per

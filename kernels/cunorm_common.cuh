@@ -311,7 +311,8 @@ __device__ __forceinline__ float lane_group_max(float v) {
 // neighbouring lanes. Every lane takes part.
 template <int LANES = 32, int STRIDE = 1, typename F>
 __device__ __forceinline__ F warp_sum(F v) {
-  static_assert(LANES * STRIDE <= 32, "lanes of one warp");
+  static_assert(LANES * STRIDE <= 32 && (LANES & (LANES - 1)) == 0 && (STRIDE & (STRIDE - 1)) == 0,
+                "a power-of-two butterfly within one warp");
   // A butterfly leaves the same bits in every lane: each step adds the same
   // two numbers on both partners, and floating-point addition is commutative.
 #pragma unroll

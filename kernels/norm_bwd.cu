@@ -611,8 +611,7 @@ norm_bwd_finalize(const compute_t* __restrict__ dgamma_part, const compute_t* __
   sg1.zero();
   sb1.zero();
   if (ok) {
-    // unrolled: several partial rows' loads in flight a lane, added in order
-#pragma unroll 4
+#pragma unroll 4  // (several partial rows' loads in flight a lane, added in order; the compiler's choice too)
     for (int p = head + stream * heads; p < parts; p += ROW_STREAMS * heads) {
       FinVec g, b, g1, b1;
       if (HAS_WEIGHT) g.load(dgamma_part + static_cast<long long>(p) * COLS, vec);
@@ -635,13 +634,14 @@ norm_bwd_finalize(const compute_t* __restrict__ dgamma_part, const compute_t* __
     if (PARALLEL) sg1.set(e, warp_sum<FIN_ROW_LANES, FIN_COL_LANES>(sg1.get(e)));
     if (HAS_BIAS1) sb1.set(e, warp_sum<FIN_ROW_LANES, FIN_COL_LANES>(sb1.get(e)));
   }
-  const bool writes = lane < FIN_COL_LANES;  // (a column's lanes hold the same sums now: its first one)
-  if (writes) {
+  // After the butterfly every lane of a column holds the same sums; the first stores them.
+  const bool first_of_column = lane < FIN_COL_LANES;
+  if (first_of_column) {
     warp_sums[0][warp][lane] = sg;
     warp_sums[1][warp][lane] = sb;
   }
   __syncthreads();
-  if (warp == 0 && writes && ok) {
+  if (warp == 0 && first_of_column && ok) {
     sg.zero();
     sb.zero();
 #pragma unroll
@@ -659,12 +659,12 @@ norm_bwd_finalize(const compute_t* __restrict__ dgamma_part, const compute_t* __
   }
   if constexpr (PARALLEL) {  // the second pair in the same slots, once warp 0 has read the first
     __syncthreads();
-    if (writes) {
+    if (first_of_column) {
       warp_sums[0][warp][lane] = sg1;
       warp_sums[1][warp][lane] = sb1;
     }
     __syncthreads();
-    if (warp == 0 && writes && ok) {
+    if (warp == 0 && first_of_column && ok) {
       sg1.zero();
       sb1.zero();
 #pragma unroll

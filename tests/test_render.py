@@ -72,7 +72,8 @@ def test_a_wrong_python_mirror_fails_to_compile(monkeypatch):
 
     t = Traits(hidden_size=12800, input_dtype="bfloat16", warps_n=13, backward=True, stages=2)
     compile_only(t, 90)  # the honest mirror compiles
-    for key in ("LDGS", "SMEM_BYTES", "ELTS_PER_THREAD", "THREADS_PER_CTA", "FINALIZE_COLS_PER_CTA"):
+    for key in ("LDGS", "SMEM_BYTES", "ELTS_PER_THREAD", "THREADS_PER_CTA", "FINALIZE_COLS_PER_CTA",
+                "FINALIZE_COL_LANES"):
         values = t.template_values()
         monkeypatch.setattr(Traits, "template_values", lambda self, key=key, values=values: {**values,
                                                                                          key: values[key] + 1})

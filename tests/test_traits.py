@@ -214,8 +214,8 @@ def test_grid_finalize_is_a_backward_flag_with_column_sums():
 def test_finalize_splits_narrow_rows_over_enough_ctas():
     """The finalize kernel's columns a CTA: lanes side by side along the row (4 to 32, dividing a warp)
     times 4 neighbours (1 where N % 4 != 0), narrow rows split finer so that its grid keeps at least
-    FINALIZE_LEAST_CTAS CTAs where 4 lanes allow; the grid covers every column, and the kernel gets the
-    lanes it was sized for (its static_assert checks the product)."""
+    FINALIZE_LEAST_CTAS CTAs where 4 lanes allow, and the kernel gets the lanes it was sized for (its
+    static_assert checks the product)."""
     from cunorm import render
     from cunorm.traits import FINALIZE_LEAST_CTAS
 
@@ -224,9 +224,8 @@ def test_finalize_splits_narrow_rows_over_enough_ctas():
         t = Traits(hidden_size=n, input_dtype="bfloat16", backward=True, warps_n=min(32, -(-n // 1024)),
                    bytes_per_ldg=16 if n % 8 == 0 else 2, aligned_rows=n % 8 == 0, stages=1)
         vec = 4 if n % 4 == 0 else 1
-        assert (t.finalize_col_lanes, t.finalize_cols_per_cta) == (lanes, lanes * vec), n
-        ctas = -(-n // t.finalize_cols_per_cta)
-        assert ctas * t.finalize_cols_per_cta >= n and (ctas >= FINALIZE_LEAST_CTAS or lanes == 4), n
+        assert (t.finalize_vec, t.finalize_col_lanes, t.finalize_cols_per_cta) == (vec, lanes, lanes * vec), n
+        assert -(-n // t.finalize_cols_per_cta) >= FINALIZE_LEAST_CTAS or lanes == 4, n
         assert f"constexpr int FIN_COL_LANES = {lanes};" in render(t)
 
 

@@ -26,6 +26,17 @@ CASES = [C(op, n, rows, dt, wdt, has_bias=not op.startswith("rms"), **kw)
              (1000, 5, "float16", "float16", {"layout": "stride:+13", "weight_layout": "broadcast"}),
              (33, 7, "float32", "bfloat16", {"layout": "offset:1", "weight_layout": "strided"}),
              (4097, 4, "bfloat16", "bfloat16", {"in_place": True})]]
+# Backwards of more than 2^22 elements (plans.FUSE_ROW_ELEMENTS) take the two-launch path, its finalize kernel
+# with 4, 8 or 16 lanes a column (FIN_VEC 1 at odd N), per-head weights and the parallel block's second weight.
+BWD = ("layer_norm_backward", "rms_norm_backward")
+CASES += [C(op, n, 4200, dt, wdt, has_bias=not op.startswith("rms"), **kw)
+          for op in BWD
+          for n, dt, wdt, kw in [
+              (1000, "bfloat16", "float32", {}), (2048, "bfloat16", "bfloat16", {}),
+              (4095, "float16", "float16", {"layout": "offset:1"}), (8192, "bfloat16", "float32", {}),
+              (1024, "bfloat16", "bfloat16", {"heads": 4, "per_head": True}),
+              (2048, "bfloat16", "bfloat16", {"x1_dtype": "bfloat16", "weight1_dtype": "float32",
+                                              "bias1_dtype": "bfloat16"})]]
 # Every tensor's dtype and layout drawn independently (a slice of the pairwise sweep), at few rows.
 CASES += [dataclasses.replace(c, rows=5) for c in check.pairwise_cases()[::17]]
 

@@ -11,7 +11,9 @@ three steps:
    cluster row's pushed exchange that spills is timed with the barrier
    one instead) and timed once;
 2. finals: the FINALISTS fastest re-timed in `rounds` interleaved rounds, so
-   that drift hits them alike; the best median wins;
+   that drift hits them alike, and what dispatch runs today beside them
+   however it screened (one timing can drop it: version 68 of
+   docs/PERFORMANCE.md); the best median wins;
 3. check: the winner runs against the float64 reference with its knobs
    forced; one that fails gives way to the next finalist.
 The table is saved after every key: a run that stops (--budget, or killed)
@@ -314,7 +316,8 @@ def rank(shapes, case, device_id: int, arch: int, tick, echo, deadline=None, kee
 
 def _steps(shapes: list, backward: bool, keep: int, finalists: int, rounds: int) -> int:
     """Progress steps of a key, about: shapes, extras, final rounds and checks (the bar is filled at the
-    key's end; cluster rows' extras are also tried with the other exchange, not counted here)."""
+    key's end; cluster rows' extras are also tried with the other exchange, and the incumbent's final rounds
+    where it screened below the finalists, not counted here)."""
     return len(shapes) + keep * len(list(_extras(backward))) + finalists * (rounds + 1)
 
 
@@ -342,13 +345,16 @@ def tune(hidden_size: int, dtype: str = "bfloat16", backward: bool = False, keep
         return rank(shapes, job.workload(), device_id, arch, bar.update, echo, keep=keep)
 
 
-def final_rounds(ranked: list, case, rounds: int, tick, deadline=None, finalists: int = FINALISTS) -> list:
-    """[(times, traits)] of the `finalists` fastest of `ranked`, each timed
-    once a round, the rounds interleaved so that drift hits them alike;
-    best median first."""
+def final_rounds(ranked: list, case, rounds: int, tick, deadline=None, finalists: int = FINALISTS,
+                 incumbent: Traits | None = None) -> list:
+    """[(times, traits)] of the `finalists` fastest of `ranked`, and of
+    `incumbent` where it was ranked lower, each timed once a round, the
+    rounds interleaved so that drift hits them alike; best median first."""
     from . import bench
 
     times = {t: [] for _, t in ranked[:finalists]}
+    if incumbent is not None and any(t == incumbent for _, t in ranked):  # it compiled clean and launched
+        times.setdefault(incumbent, [])
     for _ in range(rounds):
         for t, ms in times.items():
             _check_time(deadline)
@@ -419,14 +425,15 @@ def check_knobs(job: Job, knobs: dict, seed: int = 0, asarray=None) -> list:
 
 
 def measure(job: Job, shapes: list, device_id: int, arch: int, copy: float, rounds: int, tick, echo,
-            deadline=None, finalists: int = FINALISTS) -> dict | None:
-    """A key's entry: the knobs of the finalist with the best median that
-    passes the float64 check, with its median ms and fraction of `copy`
-    (bytes/s of a copy), and the fraction's spread [min, max] over the
-    rounds; None when no finalist passes."""
+            deadline=None, finalists: int = FINALISTS, incumbent: Traits | None = None) -> dict | None:
+    """A key's entry: the knobs of the finalist (`incumbent`, what dispatch
+    runs today, always among them) with the best median that passes the
+    float64 check, with its median ms and fraction of `copy` (bytes/s of a
+    copy), and the fraction's spread [min, max] over the rounds; None when
+    no finalist passes."""
     case = job.workload()
     ranked = rank(shapes, case, device_id, arch, tick, echo, deadline)
-    for times, t in final_rounds(ranked, case, rounds, tick, deadline, finalists):
+    for times, t in final_rounds(ranked, case, rounds, tick, deadline, finalists, incumbent):
         failures = check_knobs(job, t.knobs())
         tick(1)
         if failures:
@@ -489,8 +496,9 @@ def run(sizes=SIZES, ops=tuple(OPS), residuals=(False,), dtype_names=("bfloat16"
         print(f"{len(summary['skipped'])} of {len(jobs)} keys already in {path}: skipped (--fresh measures them "
               f"again)", file=out)
     shapes = {j: candidates(j.n, j.dtype, j.key.backward, arch, j.key.rms, j.key.residual, warps_n) for j in todo}
-    for j in todo:  # what dispatch runs today competes too: a new entry is never slower than it
-        incumbent = _incumbent(j, arch, gpu)
+    incumbents = {j: _incumbent(j, arch, gpu) for j in todo}
+    for j in todo:  # what dispatch runs today competes too, up to the final rounds: a new entry never loses to it
+        incumbent = incumbents[j]
         for t in [incumbent, _pushed(incumbent)] if incumbent is not None else []:  # and pushed exchanges
             if shapes[j] and t not in shapes[j]:
                 shapes[j].append(t)
@@ -507,7 +515,8 @@ def run(sizes=SIZES, ops=tuple(OPS), residuals=(False,), dtype_names=("bfloat16"
             end = bar.pos + steps[job]
             try:
                 _check_time(deadline)
-                entry = measure(job, shapes[job], device_id, arch, copy, rounds, bar.update, echo, deadline)
+                entry = measure(job, shapes[job], device_id, arch, copy, rounds, bar.update, echo, deadline,
+                                incumbent=incumbents[job])
             except OutOfTime:
                 summary["left"] = [j.label() for j in todo[i:]]
                 break

@@ -268,9 +268,16 @@ def test_a_pushed_shape_that_spills_is_timed_with_the_barrier_exchange(gpu):
         assert {frozen(t.replace(pushed_exchange=False).knobs()) for t in screened} <= set(timed), key
 
 
+def incumbent_knobs(n: int, key: tables.Key) -> tuple:
+    """The knobs dispatch runs today for the stand-in's key (it has no table: the literal or the heuristic)."""
+    return frozen(tune._incumbent(tune.Job.of(n, "bfloat16", key.backward, key.rms, key.residual), 90,
+                                  GPU).knobs())
+
+
 def test_each_candidate_is_timed_once_before_the_final_rounds(gpu):
     """A barrier shape standing in for a spilling pushed one, already there itself (dispatch's pick, a
-    refinement's twin), is not timed again: so FINALISTS distinct shapes reach the final rounds."""
+    refinement's twin), is not timed again: so FINALISTS distinct shapes reach the final rounds, and dispatch's
+    pick beside them where it screened lower."""
     gpu.spills = _Pushed()
     rounds = 2
     assert run_tune("--sizes", "65536", "--ops", "fwd,rms-bwd", "--rounds", str(rounds)).exit_code == 0
@@ -278,7 +285,9 @@ def test_each_candidate_is_timed_once_before_the_final_rounds(gpu):
         op = op_of(key)
         counts = collections.Counter(k for o, n, d, k in gpu.timed if o == op)
         assert set(counts.values()) == {1, 1 + rounds}, key  # screened once; a finalist, once a round too
-        assert sum(c == 1 + rounds for c in counts.values()) == tune.FINALISTS, key
+        finals, incumbent = {k for k, c in counts.items() if c == 1 + rounds}, incumbent_knobs(65536, key)
+        assert len(finals - {incumbent}) in (tune.FINALISTS - 1, tune.FINALISTS), key
+        assert incumbent in finals or incumbent not in counts, key  # screened (it compiled clean): a finalist
 
 
 def test_forward_candidates_include_each_shape_unstaged_at_both_screening_caps():
@@ -380,8 +389,9 @@ def test_a_winner_failing_the_check_gives_way_to_the_next_finalist(gpu):
     gpu.fails = lambda knobs: not fastest or frozen(knobs) == fastest["knobs"]
     res = run_tune("--sizes", "4096", "--ops", "fwd")  # every check fails: nothing is saved
     assert res.exit_code == cli.EXIT_FAIL and "no finalist passed" in res.stdout
-    assert not tables.user_path(GPU).exists() and len(gpu.checked) == tune.FINALISTS
     ranked = gpu.timed_knobs(key, 4096, "bfloat16")
+    finalists = set(ranked[:tune.FINALISTS]) | {incumbent_knobs(4096, key)}  # dispatch's pick always one
+    assert not tables.user_path(GPU).exists() and sorted(gpu.checked) == sorted(finalists)
     fastest["knobs"] = ranked[0]
     gpu.checked.clear()
     res = run_tune("--sizes", "4096", "--ops", "fwd")
@@ -539,3 +549,31 @@ def test_what_dispatch_runs_today_competes(gpu):
     # here) is timed with that knob's default.
     assert frozen({**incumbent, "lanes_per_row": 32, "persistent": True, "merged_moments": False,
                    "pushed_exchange": False}) in gpu.timed_knobs(key, 1024, "bfloat16")
+
+
+def test_what_dispatch_runs_today_reaches_the_final_rounds_however_it_screened(gpu, monkeypatch):
+    """One screening timing can rank the incumbent below the finalists (a noisy reading: PERFORMANCE.md version
+    68, RMSNorm backward 3840); it is re-timed in the final rounds anyway, so a shape that only screened faster
+    never replaces it."""
+    key = tune.Job.of(1024, "bfloat16").key
+    incumbent = dict(warps_m=2, warps_n=4, ctas_per_row=1, bytes_per_ldg=16, stages=3, cache_weights=True,
+                     min_ctas_per_sm=1, smem_accumulators=False, recompute=True)  # the stand-in's fastest
+    table = tables.new_table(GPU)
+    table.put(key, incumbent, ms=1.0, fraction_of_copy=0.5, spread=[0.5, 0.5], dtype="bfloat16", measured_n=1024)
+    tables.save(table)
+    screened = []
+
+    def slow_first(knobs, real=fake_ms):  # the incumbent's first (screening) timing reads slowest of all
+        mine = all(knobs[k] == v for k, v in incumbent.items())
+        if mine and not screened:
+            screened.append(knobs)
+            return real(knobs) + 10.0
+        return real(knobs)
+
+    monkeypatch.setitem(globals(), "fake_ms", slow_first)
+    rounds = 2
+    assert run_tune("--sizes", "1024", "--ops", "fwd", "--fresh", "--rounds", str(rounds)).exit_code == 0
+    assert screened
+    mine = frozen(screened[0])
+    assert collections.Counter(k for o, n, d, k in gpu.timed)[mine] == 1 + rounds  # screened, then every round
+    assert frozen(saved().entries[key]["knobs"]) == mine

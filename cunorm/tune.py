@@ -34,7 +34,7 @@ import numpy as np
 
 from . import dtypes, tables
 from .check import SHORT_NAMES
-from .traits import CTAS_PER_ROW_CHOICES, Traits, ctas_for_registers
+from .traits import CTAS_PER_ROW_CHOICES, THREADS_PER_WARP, Traits, ctas_for_registers
 
 SHAPES = dict(ctas_per_row=CTAS_PER_ROW_CHOICES, warps_n=(1, 2, 4, 8, 16, 32), warps_m=(1, 2, 4, 8), bytes_per_ldg=(16, 8),
               lanes_per_row=(32, 16, 8, 4))
@@ -131,20 +131,37 @@ def _legal(call: dict, arch: int, **knobs) -> Traits | None:
     return t
 
 
+def _fitting_shapes(job: Job):
+    """Backward launch shapes (CTAs per row, warps, warp rows, load width, lanes a row) of a WARPS_N
+    beyond SHAPES' powers of two that splits the row into whole loads a thread: rows of N = k * 2^j
+    elements with an odd k (LayerNorm backward 14336 = 7 * 2048 on 2 CTAs of 14 warps, 15360 on 8 of 3:
+    +0.07-0.10 of copy on an H100, PERFORMANCE.md version 69). Not offered to forwards: their rows of 12-15
+    warps lost (version 41) and each shape is screened five ways there."""
+    row_bytes = job.n * dtypes.itemsize(job.dtype)
+    for ctas, bpl, wm in itertools.product(SHAPES["ctas_per_row"], SHAPES["bytes_per_ldg"], SHAPES["warps_m"]):
+        loads = row_bytes // bpl
+        for wn in range(3, max(SHAPES["warps_n"]) + 1):
+            if wn & (wn - 1) and row_bytes % bpl == 0 and loads % (ctas * wn * THREADS_PER_WARP) == 0:
+                yield ctas, wn, wm, bpl, THREADS_PER_WARP
+
+
 def candidates(hidden_size: int, dtype: str, backward: bool, arch: int = 90, rms: bool = False,
                residual: bool = False, warps_n=None) -> list:
     """Phase 1: launch shapes (CTAs per row, warps, load width; `warps_n`
-    replaces SHAPES' WARPS_N values) with default extras, as the op builds
-    them for contiguous rows: the general kernel where the load width does
-    not divide N. Cluster rows are screened with pushed exchanges."""
+    replaces SHAPES' WARPS_N values, and a backward's `_fitting_shapes`) with
+    default extras, as the op builds them for contiguous rows: the general
+    kernel where the load width does not divide N. Cluster rows are screened
+    with pushed exchanges."""
     from .dispatch import cluster_offered
 
     job = Job.of(hidden_size, dtype, backward, rms, residual)
     call = job.call_fields()
     out = []
-    for ctas, wn, wm, bpl, lanes in itertools.product(SHAPES["ctas_per_row"], warps_n or SHAPES["warps_n"],
-                                                      SHAPES["warps_m"], SHAPES["bytes_per_ldg"],
-                                                      SHAPES["lanes_per_row"]):
+    shapes = itertools.product(SHAPES["ctas_per_row"], warps_n or SHAPES["warps_n"], SHAPES["warps_m"],
+                               SHAPES["bytes_per_ldg"], SHAPES["lanes_per_row"])
+    if backward and not warps_n:
+        shapes = itertools.chain(shapes, _fitting_shapes(job))
+    for ctas, wn, wm, bpl, lanes in shapes:
         if (ctas > 1 and wm > 1) or (lanes < 32 and (ctas > 1 or wn > 1)):  # several rows a warp: one warp wide
             continue
         t = _legal(call, arch, ctas_per_row=ctas, warps_n=wn, warps_m=wm, bytes_per_ldg=bpl, lanes_per_row=lanes)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from cunorm import bench, check, cli, compiler, dispatch, tables, tune
+from cunorm import bench, check, cli, compiler, dispatch, dtypes, tables, tune
 from cunorm.compiler import CompileError, Kernel
 from cunorm.traits import ctas_for_registers
 
@@ -171,6 +171,24 @@ def test_candidates_are_the_kernels_dispatch_would_run_for_the_key():
     assert {t.warps_n for t in tune.candidates(4096, "bfloat16", True, warps_n=(3, 4))} == {3, 4}
     before_clusters = tune.candidates(16384, "bfloat16", False, arch=80)
     assert before_clusters and not any(t.ctas_per_row > 1 for t in before_clusters)
+
+
+@pytest.mark.parametrize("n,dtype,found", [(14336, "bfloat16", (2, 14)), (15360, "bfloat16", (8, 3)),
+                                           (6144, "float32", (1, 12))])
+def test_backward_rows_with_an_odd_factor_are_offered_warp_counts_that_split_them_evenly(n, dtype, found):
+    """Beside the powers of two, a backward is screened on the WARPS_N that split its row into whole loads a
+    thread at each CTA count (version 69's picks at 14336 and 15360 among them), and on no other; a forward,
+    a row of 2^k elements and a given --warps-n get none."""
+    screened = tune.candidates(n, dtype, True)
+    odd = [t for t in screened if t.warps_n & (t.warps_n - 1)]
+    assert found in {(t.ctas_per_row, t.warps_n) for t in odd}
+    row_bytes = n * dtypes.itemsize(dtype)
+    for t in odd:
+        threads = t.ctas_per_row * t.warps_n * 32
+        assert row_bytes % t.bytes_per_ldg == 0 and (row_bytes // t.bytes_per_ldg) % threads == 0, t.short()
+    assert not any(t.warps_n & (t.warps_n - 1) for t in tune.candidates(n, dtype, False))
+    assert not any(t.warps_n & (t.warps_n - 1) for t in tune.candidates(8192, dtype, True))
+    assert {t.warps_n for t in tune.candidates(n, dtype, True, warps_n=(4,))} == {4}
 
 
 def test_sixteen_cta_candidates_are_those_dispatch_offers():

@@ -207,7 +207,8 @@ def bench(ctx, sizes, head_dims, ops, dtype, weight_dtype, repeat, no_extras, ho
                    "$CUNORM_CACHE_DIR, else $XDG_CACHE_HOME/cunorm or ~/.cache/cunorm).")
 @click.option("--fresh", is_flag=True, help="Measure keys already in the table again (its other entries stay).")
 @click.option("--warps-n", callback=cli._csv(int),
-              help=f"WARPS_N values to try, comma-separated (default: {','.join(map(str, TUNE_SHAPES['warps_n']))}).")
+              help=f"WARPS_N values to try, comma-separated (default: {','.join(map(str, TUNE_SHAPES['warps_n']))}, and "
+                   f"for a backward the others that split its row into whole loads a thread).")
 @click.option("--json", "as_json", is_flag=True, help="Print each key's result as a JSON object on stdout, as it is "
               "saved (the rest goes to stderr).")
 @click.pass_context

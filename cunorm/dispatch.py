@@ -392,7 +392,7 @@ def _short_row_shape(hidden_size: int, itemsize: int, elts_per_ldg: int, row_axe
 def _column_sums_fit_smem(t: Traits, arch: int) -> bool:
     """Whether a backward's column sums (and its weights' slots) fit the GPU's shared memory, unstaged."""
     try:
-        return t.replace(stages=1, smem_accumulators=True).smem_bytes <= SMEM_LIMIT.get(arch, DEFAULT_SMEM_LIMIT)
+        return t.replace(stages=1, smem_accumulators=True).smem_footprint <= SMEM_LIMIT.get(arch, DEFAULT_SMEM_LIMIT)
     except ValueError:
         return False
 
@@ -504,7 +504,7 @@ def heuristic(*, hidden_size: int, input_dtype: str, elts_per_ldg: int | None = 
             except ValueError:
                 continue
             # Unstaged, the column sums may take all of the GPU's shared memory (one CTA per SM).
-            if staged.smem_bytes <= (limit if stages == 1 else budget):
+            if (staged.smem_footprint <= limit) if stages == 1 else (staged.smem_bytes <= budget):
                 staged.check_arch(arch)
                 return _late_dgamma_registers(staged)
     raise ValueError(f"x: hidden size {hidden_size} ({input_dtype}, {'backward' if backward else 'forward'}) "

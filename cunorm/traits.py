@@ -392,6 +392,36 @@ class Traits:
         return staged + weights + sum(map(self._weight_slot_bytes, second))
 
     @property
+    def row_sums(self) -> int:
+        """The row reduction's quantities (RowReducer's K): the backward's SUMS (sum(g) for LayerNorm,
+        sum(g * xhat), REFINE_MEAN's sum(x - mean)); the forward's 1, or 4 with merged moments."""
+        if self.backward:
+            return (1 if self.rms else 2) + self.refine_mean
+        return 4 if self.merged_moments else 1
+
+    @property
+    def static_smem_bytes(self) -> int:
+        """The main kernel's static shared memory, at most: each RowReducer's scratch as CN_ROW_REDUCER_OF
+        declares it (warp partials [2][WARPS_M][WARPS_N][K], a parity's CTA partials [2 * SENDERS][EVEN_K],
+        two mbarriers), plus the row max of fp8 per-row scaling. The compiler drops what a shape leaves
+        unused (one-CTA rows: the CTA slots), so it may hold less. Counted with `smem_bytes` against the
+        GPU's per-CTA limit: a launch whose sum passes it is refused by the driver."""
+        compute = dtypes.itemsize(self.compute_dtype)
+        senders = self.ctas_per_row if self.pushed_exchange else 1
+
+        def reducer(k: int) -> int:
+            even_k = k + (k & 1) if k > 1 else 1
+            return (2 * self.warps_m * self.warps_n * k + 2 * senders * even_k) * compute + 2 * 8
+
+        return reducer(self.row_sums) + (reducer(1) if self.quant == "row" else 0)
+
+    @property
+    def smem_footprint(self) -> int:
+        """Shared memory a CTA of the main kernel takes, at most (dynamic and static): what the GPU's per-CTA
+        limit bounds."""
+        return self.smem_bytes + self.static_smem_bytes
+
+    @property
     def source_file(self) -> str:
         """The kernels/ file these traits render."""
         return "norm_bwd.cu" if self.backward else "norm_fwd.cu"
@@ -493,7 +523,9 @@ class Traits:
         rule(not self.zero_centered or self.has_weight, "a zero-centered weight needs a weight")
         rule(1 <= self.min_ctas_per_sm and self.min_ctas_per_sm * self.threads_per_cta <= 2048,
              "MIN_CTAS_PER_SM must be >= 1 and fit 2048 threads per SM")
-        rule(self.smem_bytes <= SMEM_LIMIT[90], f"{self.smem_bytes} bytes of shared memory exceed 227 KB")
+        rule(self.smem_footprint <= SMEM_LIMIT[90],
+             f"{self.smem_bytes} bytes of dynamic and up to {self.static_smem_bytes} of static shared memory exceed "
+             f"227 KB")
         rule(self.backward or not self.smem_accumulators, "smem_accumulators is a backward knob")
         rule(self.backward or self.recompute, "recompute is a backward knob")
         rule(not self.merged_moments or (not self.backward and not self.rms and self.ctas_per_row > 1),
@@ -511,9 +543,9 @@ class Traits:
             raise ValueError(f"illegal traits {self.short()}: CTAS_PER_ROW > 1 needs thread-block clusters "
                              f"(sm_{CLUSTER_MIN_ARCH} or newer), not sm_{arch}")
         limit = SMEM_LIMIT.get(arch, DEFAULT_SMEM_LIMIT)
-        if self.smem_bytes > limit:
-            raise ValueError(f"illegal traits {self.short()}: {self.smem_bytes} bytes of shared memory exceed "
-                             f"sm_{arch}'s {limit}")
+        if self.smem_footprint > limit:
+            raise ValueError(f"illegal traits {self.short()}: {self.smem_bytes} bytes of dynamic and up to "
+                             f"{self.static_smem_bytes} of static shared memory exceed sm_{arch}'s {limit}")
 
     # -- presentation -------------------------------------------------------
     def replace(self, **changes) -> "Traits":

@@ -259,3 +259,29 @@ def test_pushed_exchanges_compile_clean_where_the_barrier_exchange_does():
             assert compile_only(pushed, 90).clean, pushed.short()
             clean += 1
     assert clean == len(CASES), f"{clean} of {len(CASES)} spill-free with the barrier exchange"  # else vacuous
+
+
+@pytest.mark.parametrize("op, n, dtype, knobs, fields", [
+    ("layer_norm_backward", 4096, "bfloat16", dict(warps_n=16), {}),
+    ("layer_norm_backward", 16384, "bfloat16", dict(warps_n=16, ctas_per_row=2, pushed_exchange=True), {}),
+    ("rms_norm_backward", 65536, "bfloat16", dict(warps_n=16, ctas_per_row=8, pushed_exchange=True), {}),
+    ("layer_norm_backward", 14336, "bfloat16", dict(warps_n=14, ctas_per_row=2, bytes_per_ldg=8,
+                                                    pushed_exchange=True), {}),
+    ("layer_norm_backward", 4096, "float32", dict(warps_m=2, warps_n=8), {}),  # REFINE_MEAN: three row sums
+    ("layer_norm_backward", 1024, "float64", dict(warps_m=2, warps_n=4, stages=1), {}),
+    ("layer_norm", 32768, "bfloat16", dict(warps_n=8, ctas_per_row=4, pushed_exchange=True, merged_moments=True), {}),
+    ("rms_norm", 32768, "bfloat16", dict(warps_n=16, ctas_per_row=16, pushed_exchange=True), {}),
+    ("rms_norm", 4096, "bfloat16", dict(warps_n=4, ctas_per_row=2, pushed_exchange=True),
+     dict(out_dtype="float8_e4m3fn", scaling="row")),  # the row max's reducer too
+])
+def test_static_shared_memory_is_what_the_traits_count_at_most(op, n, dtype, knobs, fields):
+    """Traits.static_smem_bytes (the rule's static part) bounds what ptxas reports for the main kernel, and
+    equals it where every array of the reducers is used (pushed cluster rows of several warps)."""
+    from cunorm import check
+
+    case = check.Case(op, n, 37, dtype, dtype, has_bias=not op.startswith("rms"), **fields)
+    t = dispatch.from_knobs(knobs, **check.case_call(case))
+    main = next(f for f in compile_only(t, 90).functions if f.name in ("norm_fwd", "norm_bwd"))
+    assert main.smem_bytes <= t.static_smem_bytes, t.short()
+    if t.pushed_exchange and t.warps_n > 1:
+        assert main.smem_bytes == t.static_smem_bytes, t.short()

@@ -34,7 +34,7 @@ import numpy as np
 
 from . import dtypes, tables
 from .check import SHORT_NAMES
-from .traits import CTAS_PER_ROW_CHOICES, THREADS_PER_WARP, Traits, ctas_for_registers
+from .traits import CTAS_PER_ROW_CHOICES, Traits, ctas_for_registers
 
 SHAPES = dict(ctas_per_row=CTAS_PER_ROW_CHOICES, warps_n=(1, 2, 4, 8, 16, 32), warps_m=(1, 2, 4, 8), bytes_per_ldg=(16, 8),
               lanes_per_row=(32, 16, 8, 4))
@@ -131,40 +131,34 @@ def _legal(call: dict, arch: int, **knobs) -> Traits | None:
     return t
 
 
-def _fitting_shapes(job: Job):
-    """Backward launch shapes (CTAs per row, warps, warp rows, load width, lanes a row) of a WARPS_N
-    beyond SHAPES' powers of two that splits the row into whole loads a thread: rows of N = k * 2^j
-    elements with an odd k (LayerNorm backward 14336 = 7 * 2048 on 2 CTAs of 14 warps, 15360 on 8 of 3:
-    +0.07-0.10 of copy on an H100, PERFORMANCE.md version 69). Not offered to forwards: their rows of 12-15
-    warps lost (version 41) and each shape is screened five ways there."""
-    row_bytes = job.n * dtypes.itemsize(job.dtype)
-    for ctas, bpl, wm in itertools.product(SHAPES["ctas_per_row"], SHAPES["bytes_per_ldg"], SHAPES["warps_m"]):
-        loads = row_bytes // bpl
-        for wn in range(3, max(SHAPES["warps_n"]) + 1):
-            if wn & (wn - 1) and row_bytes % bpl == 0 and loads % (ctas * wn * THREADS_PER_WARP) == 0:
-                yield ctas, wn, wm, bpl, THREADS_PER_WARP
-
-
 def candidates(hidden_size: int, dtype: str, backward: bool, arch: int = 90, rms: bool = False,
                residual: bool = False, warps_n=None) -> list:
     """Phase 1: launch shapes (CTAs per row, warps, load width; `warps_n`
-    replaces SHAPES' WARPS_N values, and a backward's `_fitting_shapes`) with
-    default extras, as the op builds them for contiguous rows: the general
-    kernel where the load width does not divide N. Cluster rows are screened
-    with pushed exchanges."""
+    replaces SHAPES' WARPS_N values) with default extras, as the op builds
+    them for contiguous rows: the general kernel where the load width does
+    not divide N. Cluster rows are screened with pushed exchanges. A
+    backward (`warps_n` not given) is also screened on the other WARPS_N up
+    to SHAPES' largest that split its rows into whole loads a thread
+    (`Traits.full_tiles`): rows of N = k * 2^j elements with an odd k
+    (LayerNorm backward 14336 = 7 * 2048 on 2 CTAs of 14 warps, 15360 on 8
+    of 3: +0.07-0.10 of copy on an H100, PERFORMANCE.md version 69), about
+    twice the shapes there; a general key's rows never split so. Not the
+    forward: its rows of 12-15 warps lost (version 41), and it screens each
+    shape five ways."""
     from .dispatch import cluster_offered
 
     job = Job.of(hidden_size, dtype, backward, rms, residual)
     call = job.call_fields()
     out = []
-    shapes = itertools.product(SHAPES["ctas_per_row"], warps_n or SHAPES["warps_n"], SHAPES["warps_m"],
-                               SHAPES["bytes_per_ldg"], SHAPES["lanes_per_row"])
-    if backward and not warps_n:
-        shapes = itertools.chain(shapes, _fitting_shapes(job))
-    for ctas, wn, wm, bpl, lanes in shapes:
+    powers = warps_n or SHAPES["warps_n"]
+    warp_counts = range(1, max(powers) + 1) if backward and not warps_n else powers
+    for ctas, wn, wm, bpl, lanes in itertools.product(SHAPES["ctas_per_row"], warp_counts, SHAPES["warps_m"],
+                                                      SHAPES["bytes_per_ldg"], SHAPES["lanes_per_row"]):
         if (ctas > 1 and wm > 1) or (lanes < 32 and (ctas > 1 or wn > 1)):  # several rows a warp: one warp wide
             continue
         t = _legal(call, arch, ctas_per_row=ctas, warps_n=wn, warps_m=wm, bytes_per_ldg=bpl, lanes_per_row=lanes)
+        if t is not None and wn not in powers and not t.full_tiles:
+            continue  # a warp count beyond the powers of two only where the row splits evenly
         if t is not None and not cluster_offered(t, arch):
             continue  # as dispatch offers 16-CTA clusters (a GPU holding none fails to load them: dropped)
         # A general key serves calls dispatch runs on the general kernel: a load width dividing N runs the
@@ -332,10 +326,10 @@ def rank(shapes, case, device_id: int, arch: int, tick, echo, deadline=None, kee
 
 
 def _steps(shapes: list, backward: bool, keep: int, finalists: int, rounds: int) -> int:
-    """Progress steps of a key, about: shapes, extras, final rounds and checks (the bar is filled at the
-    key's end; cluster rows' extras are also tried with the other exchange, and the incumbent's final rounds
-    where it screened below the finalists, not counted here)."""
-    return len(shapes) + keep * len(list(_extras(backward))) + finalists * (rounds + 1)
+    """Progress steps of a key, about: shapes, extras, final rounds and checks, the incumbent's beside the
+    finalists' (the bar is filled at the key's end; cluster rows' extras are also tried with the other
+    exchange, not counted here)."""
+    return len(shapes) + keep * len(list(_extras(backward))) + (finalists + 1) * (rounds + 1)
 
 
 def current_gpu() -> tuple:
@@ -365,13 +359,21 @@ def tune(hidden_size: int, dtype: str = "bfloat16", backward: bool = False, keep
 def final_rounds(ranked: list, case, rounds: int, tick, deadline=None, finalists: int = FINALISTS,
                  incumbent: Traits | None = None) -> list:
     """[(times, traits)] of the `finalists` fastest of `ranked`, and of
-    `incumbent` where it was ranked lower, each timed once a round, the
-    rounds interleaved so that drift hits them alike; best median first."""
+    `incumbent` (or the barrier twin that stood in for its spilling pushed
+    exchange) where it was ranked lower, each timed once a round, the rounds
+    interleaved so that drift hits them alike; best median first. An
+    incumbent that did not compile clean or launch is not in `ranked`, and
+    not timed."""
     from . import bench
 
     times = {t: [] for _, t in ranked[:finalists]}
-    if incumbent is not None and any(t == incumbent for _, t in ranked):  # it compiled clean and launched
-        times.setdefault(incumbent, [])
+    timed = {t for _, t in ranked}
+    if incumbent is not None:
+        twins = [incumbent, incumbent.replace(pushed_exchange=False)] if incumbent.pushed_exchange else [incumbent]
+        for t in twins:
+            if t in timed:
+                times.setdefault(t, [])
+                break
     for _ in range(rounds):
         for t, ms in times.items():
             _check_time(deadline)
@@ -444,8 +446,8 @@ def check_knobs(job: Job, knobs: dict, seed: int = 0, asarray=None) -> list:
 def measure(job: Job, shapes: list, device_id: int, arch: int, copy: float, rounds: int, tick, echo,
             deadline=None, finalists: int = FINALISTS, incumbent: Traits | None = None) -> dict | None:
     """A key's entry: the knobs of the finalist (`incumbent`, what dispatch
-    runs today, always among them) with the best median that passes the
-    float64 check, with its median ms and fraction of `copy` (bytes/s of a
+    picks today, among them wherever it was timed) with the best median that
+    passes the float64 check, with its median ms and fraction of `copy` (bytes/s of a
     copy), and the fraction's spread [min, max] over the rounds; None when
     no finalist passes."""
     case = job.workload()
@@ -514,7 +516,7 @@ def run(sizes=SIZES, ops=tuple(OPS), residuals=(False,), dtype_names=("bfloat16"
               f"again)", file=out)
     shapes = {j: candidates(j.n, j.dtype, j.key.backward, arch, j.key.rms, j.key.residual, warps_n) for j in todo}
     incumbents = {j: _incumbent(j, arch, gpu) for j in todo}
-    for j in todo:  # what dispatch runs today competes too, up to the final rounds: a new entry never loses to it
+    for j in todo:  # what dispatch picks today competes too, up to the final rounds (where it compiles clean)
         incumbent = incumbents[j]
         for t in [incumbent, _pushed(incumbent)] if incumbent is not None else []:  # and pushed exchanges
             if shapes[j] and t not in shapes[j]:

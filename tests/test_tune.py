@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from cunorm import bench, check, cli, compiler, dispatch, dtypes, tables, tune
+from cunorm import bench, check, cli, compiler, dispatch, tables, tune
 from cunorm.compiler import CompileError, Kernel
 from cunorm.traits import ctas_for_registers
 
@@ -57,6 +57,7 @@ class StandIn:
 
     def __init__(self):
         self.now = 0.0
+        self.ms = fake_ms  # (knobs) -> the call's milliseconds
         self.timed, self.checked = [], []
         self.spills = set()
         self.fails = lambda knobs: False
@@ -72,7 +73,7 @@ class StandIn:
                     def call(op=f"{op} {direction}", n=n, traits=None):
                         self.now += 1.0
                         self.timed.append((op, n, dtype, frozen(traits)))
-                        return fake_ms(traits)
+                        return self.ms(traits)
                     yield bench.Case(f"{op} {direction}", n, NBYTES, call)
 
     def kernels_for(self, traits, device_id, source=None):
@@ -182,10 +183,7 @@ def test_backward_rows_with_an_odd_factor_are_offered_warp_counts_that_split_the
     screened = tune.candidates(n, dtype, True)
     odd = [t for t in screened if t.warps_n & (t.warps_n - 1)]
     assert found in {(t.ctas_per_row, t.warps_n) for t in odd}
-    row_bytes = n * dtypes.itemsize(dtype)
-    for t in odd:
-        threads = t.ctas_per_row * t.warps_n * 32
-        assert row_bytes % t.bytes_per_ldg == 0 and (row_bytes // t.bytes_per_ldg) % threads == 0, t.short()
+    assert all(t.full_tiles for t in odd)  # whole loads a thread: N / (load elements * threads a row) loads
     assert not any(t.warps_n & (t.warps_n - 1) for t in tune.candidates(n, dtype, False))
     assert not any(t.warps_n & (t.warps_n - 1) for t in tune.candidates(8192, dtype, True))
     assert {t.warps_n for t in tune.candidates(n, dtype, True, warps_n=(4,))} == {4}
@@ -286,10 +284,10 @@ def test_a_pushed_shape_that_spills_is_timed_with_the_barrier_exchange(gpu):
         assert {frozen(t.replace(pushed_exchange=False).knobs()) for t in screened} <= set(timed), key
 
 
-def incumbent_knobs(n: int, key: tables.Key) -> tuple:
-    """The knobs dispatch runs today for the stand-in's key (it has no table: the literal or the heuristic)."""
-    return frozen(tune._incumbent(tune.Job.of(n, "bfloat16", key.backward, key.rms, key.residual), 90,
-                                  GPU).knobs())
+def incumbent(n: int, op: str):
+    """The traits dispatch picks today for the stand-in's call (`op` a short name), from its tables."""
+    backward, rms = tune.OPS[op]
+    return tune._incumbent(tune.Job.of(n, "bfloat16", backward, rms), 90, GPU)
 
 
 def test_each_candidate_is_timed_once_before_the_final_rounds(gpu):
@@ -298,14 +296,30 @@ def test_each_candidate_is_timed_once_before_the_final_rounds(gpu):
     pick beside them where it screened lower."""
     gpu.spills = _Pushed()
     rounds = 2
+    picks = {op: incumbent(65536, op) for op in ("fwd", "rms-bwd")}  # before the run writes the user table
     assert run_tune("--sizes", "65536", "--ops", "fwd,rms-bwd", "--rounds", str(rounds)).exit_code == 0
     for key in saved().entries:
         op = op_of(key)
         counts = collections.Counter(k for o, n, d, k in gpu.timed if o == op)
         assert set(counts.values()) == {1, 1 + rounds}, key  # screened once; a finalist, once a round too
-        finals, incumbent = {k for k, c in counts.items() if c == 1 + rounds}, incumbent_knobs(65536, key)
-        assert len(finals - {incumbent}) in (tune.FINALISTS - 1, tune.FINALISTS), key
-        assert incumbent in finals or incumbent not in counts, key  # screened (it compiled clean): a finalist
+        finals = {k for k, c in counts.items() if c == 1 + rounds}
+        pick = frozen(picks["rms-bwd" if key.backward else "fwd"].knobs())
+        assert pick in finals, key  # dispatch's pick reached the final rounds
+        assert len(finals - {pick}) in (tune.FINALISTS - 1, tune.FINALISTS), key
+
+
+def test_a_pushed_pick_that_spilled_reaches_the_final_rounds_as_its_barrier_twin(gpu):
+    """Where dispatch's pick is a pushed exchange that spilled, the barrier twin timed in its place
+    (`_compiled`) is re-timed in the final rounds however it ranked; an incumbent never timed is not."""
+    job = tune.Job.of(65536, "bfloat16", True, True)
+    pushed = tune._pushed(incumbent(65536, "rms-bwd"))
+    assert pushed.pushed_exchange
+    twin, others = pushed.replace(pushed_exchange=False), tune.candidates(65536, "bfloat16", True, rms=True)[:5]
+    ranked = [(1.0, t) for t in others if t != twin] + [(9.0, twin)]
+    timed = [t for _, t in tune.final_rounds(ranked, job.workload(), 2, lambda _: None, incumbent=pushed)]
+    assert twin in timed and len(timed) == tune.FINALISTS + 1
+    alone = [t for _, t in tune.final_rounds(ranked[:-1], job.workload(), 2, lambda _: None, incumbent=pushed)]
+    assert len(alone) == tune.FINALISTS and twin not in alone
 
 
 def test_forward_candidates_include_each_shape_unstaged_at_both_screening_caps():
@@ -408,7 +422,7 @@ def test_a_winner_failing_the_check_gives_way_to_the_next_finalist(gpu):
     res = run_tune("--sizes", "4096", "--ops", "fwd")  # every check fails: nothing is saved
     assert res.exit_code == cli.EXIT_FAIL and "no finalist passed" in res.stdout
     ranked = gpu.timed_knobs(key, 4096, "bfloat16")
-    finalists = set(ranked[:tune.FINALISTS]) | {incumbent_knobs(4096, key)}  # dispatch's pick always one
+    finalists = set(ranked[:tune.FINALISTS]) | {frozen(incumbent(4096, "fwd").knobs())}  # dispatch's pick too
     assert not tables.user_path(GPU).exists() and sorted(gpu.checked) == sorted(finalists)
     fastest["knobs"] = ranked[0]
     gpu.checked.clear()
@@ -569,7 +583,7 @@ def test_what_dispatch_runs_today_competes(gpu):
                    "pushed_exchange": False}) in gpu.timed_knobs(key, 1024, "bfloat16")
 
 
-def test_what_dispatch_runs_today_reaches_the_final_rounds_however_it_screened(gpu, monkeypatch):
+def test_what_dispatch_runs_today_reaches_the_final_rounds_however_it_screened(gpu):
     """One screening timing can rank the incumbent below the finalists (a noisy reading: PERFORMANCE.md version
     68, RMSNorm backward 3840); it is re-timed in the final rounds anyway, so a shape that only screened faster
     never replaces it."""
@@ -588,7 +602,7 @@ def test_what_dispatch_runs_today_reaches_the_final_rounds_however_it_screened(g
             return real(knobs) + 10.0
         return real(knobs)
 
-    monkeypatch.setitem(globals(), "fake_ms", slow_first)
+    gpu.ms = slow_first
     rounds = 2
     assert run_tune("--sizes", "1024", "--ops", "fwd", "--fresh", "--rounds", str(rounds)).exit_code == 0
     assert screened

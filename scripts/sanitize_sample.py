@@ -11,6 +11,7 @@ import cupy
 cupy.cuda.set_allocator(None)
 
 from cunorm import check  # noqa: E402
+from cunorm.norm.plans import FUSE_ROW_ELEMENTS  # noqa: E402
 
 C = check.Case
 CASES = [C(op, n, rows, dt, wdt, has_bias=not op.startswith("rms"), **kw)
@@ -26,17 +27,22 @@ CASES = [C(op, n, rows, dt, wdt, has_bias=not op.startswith("rms"), **kw)
              (1000, 5, "float16", "float16", {"layout": "stride:+13", "weight_layout": "broadcast"}),
              (33, 7, "float32", "bfloat16", {"layout": "offset:1", "weight_layout": "strided"}),
              (4097, 4, "bfloat16", "bfloat16", {"in_place": True})]]
-# Backwards of more than 2^22 elements (plans.FUSE_ROW_ELEMENTS) take the two-launch path, its finalize kernel
-# with 4, 8 or 16 lanes a column (FIN_VEC 1 at odd N), per-head weights and the parallel block's second weight.
+# Backwards of more than plans.FUSE_ROW_ELEMENTS elements take the two-launch path: its finalize kernel with 4
+# lanes a column (1000, 2048; 999: FIN_VEC 1), 8 (4096) or 16 (8192; 4095: FIN_VEC 1; Traits.finalize_col_lanes),
+# per-head weights and the parallel block's second weight.
 BWD = ("layer_norm_backward", "rms_norm_backward")
-CASES += [C(op, n, 4200, dt, wdt, has_bias=not op.startswith("rms"), **kw)
-          for op in BWD
-          for n, dt, wdt, kw in [
-              (1000, "bfloat16", "float32", {}), (2048, "bfloat16", "bfloat16", {}),
-              (4095, "float16", "float16", {"layout": "offset:1"}), (8192, "bfloat16", "float32", {}),
-              (1024, "bfloat16", "bfloat16", {"heads": 4, "per_head": True}),
-              (2048, "bfloat16", "bfloat16", {"x1_dtype": "bfloat16", "weight1_dtype": "float32",
-                                              "bias1_dtype": "bfloat16"})]]
+FINALIZE_ROWS = 4200  # a multiple of 2 * heads
+FINALIZED = [C(op, n, FINALIZE_ROWS, dt, wdt, has_bias=not op.startswith("rms"), **kw)
+             for op in BWD
+             for n, dt, wdt, kw in [
+                 (1000, "bfloat16", "float32", {}), (2048, "bfloat16", "bfloat16", {}),
+                 (4095, "float16", "float16", {"layout": "offset:1"}), (8192, "bfloat16", "float32", {}),
+                 (1024, "bfloat16", "bfloat16", {"heads": 4, "per_head": True}),
+                 (2048, "bfloat16", "bfloat16", {"x1_dtype": "bfloat16", "weight1_dtype": "float32",
+                                                 "bias1_dtype": "bfloat16"}),
+                 (999, "bfloat16", "bfloat16", {}), (4096, "float16", "float32", {})]]
+assert all(c.rows * c.hidden_size > FUSE_ROW_ELEMENTS for c in FINALIZED)  # else they take one launch
+CASES += FINALIZED
 # Every tensor's dtype and layout drawn independently (a slice of the pairwise sweep), at few rows.
 CASES += [dataclasses.replace(c, rows=5) for c in check.pairwise_cases()[::17]]
 

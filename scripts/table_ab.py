@@ -20,7 +20,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this tree's cunorm, not an installed one
 
-from cunorm import bench, dispatch, tables, tune  # noqa: E402
+from cunorm import bench, dispatch, search_space, tables, tune  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -39,7 +39,7 @@ def main(argv=None) -> int:
     copy = bench.copy_bandwidth()
     kept, rows = dict(table.entries), []
     for key, entry in sorted(table.entries.items(), key=lambda kv: (kv[0].backward, kv[0].rms, kv[0].n)):
-        job = tune.Job.of(entry.get("measured_n", key.n), entry["dtype"], key.backward, key.rms, key.residual)
+        job = search_space.Job.of(entry.get("measured_n", key.n), entry["dtype"], key.backward, key.rms, key.residual)
         call = job.call_fields()
         mine = dispatch.from_knobs(entry["knobs"], **call)
         other, origin = dispatch.choose(arch=arch, gpu=None, **call)

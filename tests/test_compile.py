@@ -43,12 +43,12 @@ def test_every_shipped_entry_compiles_clean_for_the_call_it_was_measured_on(path
     """A shipped table's entries are picked only on their GPU model, which `cunorm check --compile-only`
     (no GPU) does not name; an entry that spilled for its own call would never run (dispatch replaces a
     spilling pick), so each compiles without local memory for its GPU's architecture."""
-    from cunorm import tune
+    from cunorm.search_space import Job
 
     table = tables.Table.from_json(path.read_text(), "shipped")
     bad = []
     for key, entry in table.entries.items():
-        job = tune.Job.of(entry["measured_n"], entry["dtype"], key.backward, key.rms, key.residual)
+        job = Job.of(entry["measured_n"], entry["dtype"], key.backward, key.rms, key.residual)
         t = dispatch.from_knobs(entry["knobs"], **job.call_fields())
         if not compile_only(t, table.gpu.cc).clean:
             bad.append(t.short())

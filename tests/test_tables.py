@@ -239,7 +239,7 @@ def test_no_home_folder_means_no_user_table_not_a_failure(monkeypatch):
 def test_every_shipped_table_is_usable_and_every_entry_legal(path, monkeypatch):
     """The tables in cunorm/shipped_tables: named for their GPU, read by this cunorm version, and every entry's
     knobs legal for the contiguous call of its key (dispatch would otherwise skip it silently)."""
-    from cunorm import tune
+    from cunorm.search_space import Job
 
     raw = Table.from_json(path.read_text(), "shipped")
     assert path.name == f"tuned-{raw.gpu.slug()}.json"
@@ -248,7 +248,7 @@ def test_every_shipped_table_is_usable_and_every_entry_legal(path, monkeypatch):
     table = tables.read(path, raw.gpu, "shipped")
     assert table.entries
     for key, entry in table.entries.items():
-        job = tune.Job.of(entry["measured_n"], entry["dtype"], key.backward, key.rms, key.residual)
+        job = Job.of(entry["measured_n"], entry["dtype"], key.backward, key.rms, key.residual)
         assert job.key == key
         traits, origin = dispatch.choose(arch=raw.gpu.cc, gpu=raw.gpu, **job.call_fields())
         assert origin == f"shipped {raw.gpu.name} table" and traits.knobs() == {**traits.knobs(), **entry["knobs"]}

@@ -3,7 +3,6 @@ their own time (and advance a stand-in clock), whose compiles report local
 memory for planted knobs and whose float64 check fails for planted knobs;
 the real code paths run around them. Tier C (marked gpu) runs a small tune."""
 import collections
-import itertools
 import json
 import math
 from types import SimpleNamespace
@@ -12,9 +11,8 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from cunorm import bench, check, cli, compiler, dispatch, tables, tune
+from cunorm import bench, check, cli, compiler, dispatch, search_space, tables, tune
 from cunorm.compiler import CompileError, Kernel
-from cunorm.traits import ctas_for_registers
 
 TUNE_OPTIONS = ("--sizes", "--ops", "--residual", "--dtypes", "--budget", "--rounds", "--output", "--fresh",
                 "--warps-n", "--json")
@@ -149,120 +147,7 @@ def test_ops_are_comma_separated_or_repeated(gpu):
                                                                                             (False, False)]
 
 
-# -- keys ------------------------------------------------------------------------------------------------------
-
-def test_plan_one_job_per_key_and_says_what_shares_one():
-    jobs, notes = tune.plan((1024, 4100, 4097), ("fwd",), (False, True), ("bfloat16", "float16", "float32"))
-    keys = {(j.key.residual, j.key.n, j.key.input_bytes, j.key.general): (j.dtype, j.n) for j in jobs}
-    assert keys == {(r, 1024, 2, False): ("bfloat16", 1024) for r in (False, True)} | {
-        (r, 4096, 2, True): ("bfloat16", 4100) for r in (False, True)} | {  # 4097 shares 4100's general key
-        (r, 1024, 4, False): ("float32", 1024) for r in (False, True)} | {
-        (r, 4100, 4, False): ("float32", 4100) for r in (False, True)} | {  # whole 16-byte vectors of fp32
-        (r, 4096, 4, True): ("float32", 4097) for r in (False, True)}
-    assert len(jobs) == len(keys) and all(not j.key.backward and not j.key.rms for j in jobs)
-    assert notes == ["float16 shares bfloat16's entries (2-byte inputs): measured as bfloat16",
-                     "N=4097 shares N=4100's entries (bfloat16: the general rows beside N=4096)"]
-
-
-def test_candidates_are_the_kernels_dispatch_would_run_for_the_key():
-    general = tune.candidates(4100, "bfloat16", False, residual=True)
-    aligned = tune.candidates(4096, "bfloat16", False)
-    assert general and all(not t.aligned_rows and t.has_residual for t in general)
-    assert {t.bytes_per_ldg for t in aligned} == {8, 16} and all(t.aligned_rows for t in aligned)
-    assert {t.warps_n for t in tune.candidates(4096, "bfloat16", True, warps_n=(3, 4))} == {3, 4}
-    before_clusters = tune.candidates(16384, "bfloat16", False, arch=80)
-    assert before_clusters and not any(t.ctas_per_row > 1 for t in before_clusters)
-
-
-@pytest.mark.parametrize("n,dtype,found", [(14336, "bfloat16", (2, 14)), (15360, "bfloat16", (8, 3)),
-                                           (6144, "float32", (1, 12))])
-def test_backward_rows_with_an_odd_factor_are_offered_warp_counts_that_split_them_evenly(n, dtype, found):
-    """Beside the powers of two, a backward is screened on the WARPS_N that split its row into whole loads a
-    thread at each CTA count (version 69's picks at 14336 and 15360 among them), and on no other; a forward,
-    a row of 2^k elements and a given --warps-n get none."""
-    screened = tune.candidates(n, dtype, True)
-    odd = [t for t in screened if t.warps_n & (t.warps_n - 1)]
-    assert found in {(t.ctas_per_row, t.warps_n) for t in odd}
-    assert all(t.full_tiles for t in odd)  # whole loads a thread: N / (load elements * threads a row) loads
-    assert not any(t.warps_n & (t.warps_n - 1) for t in tune.candidates(n, dtype, False))
-    assert not any(t.warps_n & (t.warps_n - 1) for t in tune.candidates(8192, dtype, True))
-    assert {t.warps_n for t in tune.candidates(n, dtype, True, warps_n=(4,))} == {4}
-
-
-def test_sixteen_cta_candidates_are_those_dispatch_offers():
-    """16-CTA (non-portable) clusters: tried for sm_90 backwards whose column sums then fit shared memory, as
-    dispatch offers them; never for forwards, other GPUs or rows whose sums would not fit."""
-    from cunorm import dispatch
-
-    wide = tune.candidates(262144, "bfloat16", True)
-    sixteen = [t for t in wide if t.ctas_per_row == 16]
-    assert sixteen and all(dispatch.cluster_offered(t, 90) for t in sixteen)
-    pick = dispatch.heuristic(hidden_size=262144, input_dtype="bfloat16", backward=True)  # 16 CTAs
-    assert (16, pick.warps_n, pick.bytes_per_ldg) in {(t.ctas_per_row, t.warps_n, t.bytes_per_ldg) for t in wide}
-    assert not any(t.ctas_per_row == 16 for t in tune.candidates(262144, "bfloat16", False))
-    assert not any(t.ctas_per_row == 16 for t in tune.candidates(262144, "bfloat16", True, arch=100))
-    assert not any(t.ctas_per_row == 16 for t in tune.candidates(524288, "bfloat16", True))
-
-
-def test_refinements_are_what_dispatch_runs_for_a_late_dgamma_backward():
-    """A late-dgamma backward (fp32 LayerNorm, 16-byte vectors) keeps dispatch's register cap among the extras:
-    an entry measured at one CTA an SM would run at two (the H100 table's 2048 with a residual did)."""
-    from cunorm import dispatch
-
-    shape = dispatch.choose(hidden_size=2048, input_dtype="float32", backward=True, has_residual=True,
-                            residual_dtype="float32", tuned=False)[0]
-    extras = tune.refinements(shape)
-    late = [t for t in extras if t.late_dgamma and t.threads_per_cta in (128, 256)]
-    assert late and all(t.min_ctas_per_sm > 1 for t in late)  # one CTA an SM is what dispatch raises
-    assert all(dispatch._late_dgamma_registers(t) == t for t in extras) and len(set(extras)) == len(extras)
-
-
-def test_layer_norm_cluster_forwards_are_refined_with_merged_moments_too():
-    """Each refinement of a LayerNorm forward of cluster rows (staged or unstaged) is tried again with
-    merged_moments; RMSNorm, backwards and one-CTA rows never."""
-    from cunorm import dispatch
-
-    for n, unstaged in ((65536, False), (131072, True)):
-        shape = dispatch.choose(hidden_size=n, input_dtype="float32", tuned=False)[0]
-        shape = shape.replace(persistent=False, stages=1) if unstaged else shape
-        extras = tune.refinements(shape)
-        plain = [t for t in extras if not t.merged_moments]
-        assert shape.ctas_per_row > 1 and plain
-        assert sorted(t.short() for t in extras if t.merged_moments) == sorted(
-            t.replace(merged_moments=True).short() for t in plain)
-    for call in (dict(hidden_size=65536, rms=True), dict(hidden_size=65536, backward=True),
-                 dict(hidden_size=4096)):
-        shape = dispatch.choose(input_dtype="float32", tuned=False, **call)[0]
-        assert not any(t.merged_moments for t in tune.refinements(shape)), call
-
-
-@pytest.mark.parametrize("pushed", [False, True])
-def test_cluster_rows_are_refined_with_the_other_exchange_too(pushed):
-    """Each refinement of a cluster row (forward or backward, staged or unstaged, merged moments or not) is
-    tried again with the other exchange (pushed or barrier); one-CTA rows never."""
-    from cunorm import dispatch
-
-    for call, unstaged in ((dict(hidden_size=65536), False), (dict(hidden_size=131072), True),
-                           (dict(hidden_size=65536, rms=True, backward=True), False)):
-        shape = dispatch.choose(input_dtype="float32", tuned=False, **call)[0]
-        shape = shape.replace(persistent=False, stages=1) if unstaged else shape
-        extras = tune.refinements(shape.replace(pushed_exchange=pushed))
-        same = [t for t in extras if t.pushed_exchange == pushed]
-        assert shape.ctas_per_row > 1 and same, call
-        assert sorted(t.short() for t in extras if t.pushed_exchange != pushed) == sorted(
-            t.replace(pushed_exchange=not pushed).short() for t in same), call
-    shape = dispatch.choose(hidden_size=4096, input_dtype="float32", tuned=False)[0]
-    assert shape.ctas_per_row == 1 and not any(t.pushed_exchange for t in tune.refinements(shape))
-
-
-def test_cluster_rows_are_screened_with_pushed_exchanges():
-    """Every candidate shape of cluster rows (staged or unstaged, forward and backward) has pushed_exchange on,
-    and no one-CTA shape has it."""
-    for backward in (False, True):
-        shapes = tune.candidates(16384, "bfloat16", backward)
-        assert any(t.ctas_per_row == 1 for t in shapes) and any(t.ctas_per_row > 1 for t in shapes)
-        assert all(t.pushed_exchange == (t.ctas_per_row > 1) for t in shapes), backward
-
+# -- cluster rows' exchanges --------------------------------------------------------------------------------
 
 class _Pushed:
     """Stands for every knob set with pushed_exchange on (as StandIn.spills: they spill)."""
@@ -279,15 +164,15 @@ def test_a_pushed_shape_that_spills_is_timed_with_the_barrier_exchange(gpu):
     for key in saved().entries:
         timed = gpu.timed_knobs(key, 65536, "bfloat16")
         assert not any(dict(k)["pushed_exchange"] for k in timed), key
-        screened = tune.candidates(65536, "bfloat16", key.backward, rms=key.rms)
+        screened = search_space.candidates(65536, "bfloat16", key.backward, rms=key.rms)
         assert sum(t.uses_cluster for t in screened) > 1
         assert {frozen(t.replace(pushed_exchange=False).knobs()) for t in screened} <= set(timed), key
 
 
 def incumbent(n: int, op: str):
     """The traits dispatch picks today for the stand-in's call (`op` a short name), from its tables."""
-    backward, rms = tune.OPS[op]
-    return tune._incumbent(tune.Job.of(n, "bfloat16", backward, rms), 90, GPU)
+    backward, rms = search_space.OPS[op]
+    return tune._incumbent(search_space.Job.of(n, "bfloat16", backward, rms), 90, GPU)
 
 
 def test_each_candidate_is_timed_once_before_the_final_rounds(gpu):
@@ -311,10 +196,10 @@ def test_each_candidate_is_timed_once_before_the_final_rounds(gpu):
 def test_a_pushed_pick_that_spilled_reaches_the_final_rounds_as_its_barrier_twin(gpu):
     """Where dispatch's pick is a pushed exchange that spilled, the barrier twin timed in its place
     (`_compiled`) is re-timed in the final rounds however it ranked; an incumbent never timed is not."""
-    job = tune.Job.of(65536, "bfloat16", True, True)
-    pushed = tune._pushed(incumbent(65536, "rms-bwd"))
+    job = search_space.Job.of(65536, "bfloat16", True, True)
+    pushed = search_space.with_pushed_exchange(incumbent(65536, "rms-bwd"))
     assert pushed.pushed_exchange
-    twin, others = pushed.replace(pushed_exchange=False), tune.candidates(65536, "bfloat16", True, rms=True)[:5]
+    twin, others = pushed.replace(pushed_exchange=False), search_space.candidates(65536, "bfloat16", True, rms=True)[:5]
     ranked = [(1.0, t) for t in others if t != twin] + [(9.0, twin)]
     timed = [t for _, t in tune.final_rounds(ranked, job.workload(), 2, lambda _: None, incumbent=pushed)]
     assert twin in timed and len(timed) == tune.FINALISTS + 1
@@ -322,29 +207,13 @@ def test_a_pushed_pick_that_spilled_reaches_the_final_rounds_as_its_barrier_twin
     assert len(alone) == tune.FINALISTS and twin not in alone
 
 
-def test_forward_candidates_include_each_shape_unstaged_at_both_screening_caps():
-    """Every forward shape, cluster shapes included, is also screened unstaged at each of
-    UNSTAGED_SCREEN_CAPS with weights held and re-read (one cap and held weights alone dropped LayerNorm
-    rows of 40-64 elements a thread as spills); the backward has no unstaged grid."""
-    forward = tune.candidates(15360, "bfloat16", False, warps_n=(12,))
-    staged = [t for t in forward if t.persistent]
-    unstaged = {t for t in forward if not t.persistent}
-    assert staged and any(t.ctas_per_row > 1 for t in staged)
-    for shape in staged:
-        for cap, cache in itertools.product(tune.UNSTAGED_SCREEN_CAPS, (False, True)):
-            want = shape.replace(persistent=False, stages=1, cache_weights=cache,
-                                 min_ctas_per_sm=ctas_for_registers(shape.threads_per_cta, cap))
-            assert want in unstaged, want.short()
-    assert any(t.ctas_per_row > 1 for t in unstaged)
-    assert all(t.persistent for t in tune.candidates(15360, "bfloat16", True, warps_n=(12,)))
-
 # -- a run -----------------------------------------------------------------------------------------------------
 
 def test_a_run_writes_the_table_dispatch_reads(gpu):
     res = run_tune("--sizes", "1024,4100", "--ops", "fwd,rms-bwd", "--residual", "both", "--dtypes", "bf16,fp32",
                    "--rounds", "3")
     assert res.exit_code == 0, res.output
-    jobs, _ = tune.plan((1024, 4100), ("fwd", "rms-bwd"), (False, True), ("bfloat16", "float32"))
+    jobs, _ = search_space.plan((1024, 4100), ("fwd", "rms-bwd"), (False, True), ("bfloat16", "float32"))
     table = saved()
     assert set(table.entries) == {j.key for j in jobs} and len(jobs) == 16
     assert tables.Key(False, False, True, 4096, 2, True) in table.entries  # bf16 4100: the general rows' entry
@@ -406,7 +275,7 @@ def test_a_run_cut_short_keeps_the_keys_it_finished(gpu):
 
 def test_a_winner_that_spills_is_never_timed_or_saved(gpu):
     assert run_tune("--sizes", "4096", "--ops", "bwd").exit_code == 0
-    key = tune.Job.of(4096, "bfloat16", backward=True).key
+    key = search_space.Job.of(4096, "bfloat16", backward=True).key
     fastest = frozen(saved().entries[key]["knobs"])
     gpu.spills.add(fastest)
     gpu.timed.clear()
@@ -416,7 +285,7 @@ def test_a_winner_that_spills_is_never_timed_or_saved(gpu):
 
 
 def test_a_winner_failing_the_check_gives_way_to_the_next_finalist(gpu):
-    key = tune.Job.of(4096, "bfloat16").key
+    key = search_space.Job.of(4096, "bfloat16").key
     fastest = {}
     gpu.fails = lambda knobs: not fastest or frozen(knobs) == fastest["knobs"]
     res = run_tune("--sizes", "4096", "--ops", "fwd")  # every check fails: nothing is saved
@@ -451,7 +320,7 @@ def test_json_one_object_per_key_on_stdout_progress_on_stderr(gpu):
 def other_version() -> str:
     table = tables.new_table(GPU)
     table.cunorm = "0.0.1"
-    table.put(tune.Job.of(1024, "bfloat16").key, {"warps_n": 8})
+    table.put(search_space.Job.of(1024, "bfloat16").key, {"warps_n": 8})
     return table.to_json()
 
 
@@ -476,7 +345,7 @@ def test_tune_ranks_every_shape_then_the_extras_of_the_fastest(gpu, capsys):
     ranked = tune.tune(1024, "bfloat16", backward=True)  # what examples/tour.ipynb calls
     assert [ms for ms, _ in ranked] == sorted(ms for ms, _ in ranked) and len(ranked) == len(gpu.timed)
     assert all(ms == fake_ms(t.knobs()) for ms, t in ranked)
-    shapes = tune.candidates(1024, "bfloat16", True)
+    shapes = search_space.candidates(1024, "bfloat16", True)
     assert set(shapes) < {t for _, t in ranked} and any(t.stages != 2 for _, t in ranked)
     assert len({t for _, t in ranked}) == len(ranked)  # each measured once
     out, err = capsys.readouterr()
@@ -495,7 +364,7 @@ def test_candidates_that_fail_to_compile_or_launch_are_reported_not_timed(gpu, m
         return 1.0 / traits["warps_n"]
 
     monkeypatch.setattr(compiler, "kernels_for", kernels_for)
-    candidates, echoed, ticks = tune.candidates(4096, "bfloat16", False), [], []
+    candidates, echoed, ticks = search_space.candidates(4096, "bfloat16", False), [], []
     timed = tune._time_all(candidates, SimpleNamespace(call=call), 0, ticks.append, echoed.append)
     assert {t.warps_n for _, t in timed} == {t.warps_n for t in candidates} - {2, 16}
     assert [ms for ms, _ in timed] == sorted(ms for ms, _ in timed) and sum(ticks) == len(candidates)
@@ -523,7 +392,7 @@ def test_check_knobs_compares_every_output_with_the_reference(op, residual, monk
     import cunorm.norm
 
     monkeypatch.setattr(check, "rel_l2", host_rel_l2)
-    job = tune.Job.of(1000, "bfloat16", *tune.OPS[op], residual)
+    job = search_space.Job.of(1000, "bfloat16", *search_space.OPS[op], residual)
     assert tune.check_knobs(job, {"warps_n": 4}, asarray=np.asarray) == []
     name = f"{'rms_norm' if job.key.rms else 'layer_norm'}{'_backward' if job.key.backward else ''}"
     right, (index, output) = getattr(cunorm.norm, name), WRONG_OUTPUT[op, residual]
@@ -539,9 +408,9 @@ def test_check_knobs_compares_every_output_with_the_reference(op, residual, monk
 # -- tier C ------------------------------------------------------------------------------------------------------
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("op", list(tune.OPS))
+@pytest.mark.parametrize("op", list(search_space.OPS))
 def test_check_knobs_passes_dispatchs_knobs_on_the_gpu(op):
-    job = tune.Job.of(4097, "bfloat16", *tune.OPS[op], residual=True)
+    job = search_space.Job.of(4097, "bfloat16", *search_space.OPS[op], residual=True)
     traits, _ = dispatch.choose(arch=compiler.device_arch(0), tuned=False, **job.call_fields())
     assert tune.check_knobs(job, traits.knobs()) == []
 
@@ -554,7 +423,7 @@ def test_a_small_tune_on_the_gpu_fills_the_table_dispatch_reads(tmp_path, monkey
     (line,) = [json.loads(line) for line in res.stdout.splitlines()]
     gpu = compiler.device_gpu(0)
     table = tables.read(line["table"], gpu, "test")
-    job = tune.Job.of(1024, "bfloat16", rms=True)
+    job = search_space.Job.of(1024, "bfloat16", rms=True)
     assert table.entries[job.key]["knobs"] == line["knobs"] and 0 < line["fraction_of_copy"] < 1.5
     traits, origin = dispatch.choose(arch=compiler.device_arch(0), gpu=gpu, **job.call_fields())
     assert origin.startswith("user table") and traits.knobs() == line["knobs"]
@@ -570,7 +439,7 @@ def test_a_key_without_candidates_says_why_and_times_nothing(gpu):
 def test_what_dispatch_runs_today_competes(gpu):
     """The incumbent (here a user-table entry: a slow launch shape with extras only the fastest shapes try)
     is timed beside the candidates, so a new entry is never one that loses to what it replaces."""
-    key = tune.Job.of(1024, "bfloat16").key
+    key = search_space.Job.of(1024, "bfloat16").key
     incumbent = dict(warps_m=4, warps_n=1, ctas_per_row=1, bytes_per_ldg=8, stages=4, cache_weights=False,
                      min_ctas_per_sm=1, smem_accumulators=False, recompute=True)
     table = tables.new_table(GPU)
@@ -587,7 +456,7 @@ def test_what_dispatch_runs_today_reaches_the_final_rounds_however_it_screened(g
     """One screening timing can rank the incumbent below the finalists (a noisy reading: PERFORMANCE.md version
     68, RMSNorm backward 3840); it is re-timed in the final rounds anyway, so a shape that only screened faster
     never replaces it."""
-    key = tune.Job.of(1024, "bfloat16").key
+    key = search_space.Job.of(1024, "bfloat16").key
     incumbent = dict(warps_m=2, warps_n=4, ctas_per_row=1, bytes_per_ldg=16, stages=3, cache_weights=True,
                      min_ctas_per_sm=1, smem_accumulators=False, recompute=True)  # the stand-in's fastest
     table = tables.new_table(GPU)

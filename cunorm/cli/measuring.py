@@ -9,8 +9,8 @@ import click
 import cunorm.cli as cli
 
 from ..bench import BENCH_OPS, BENCH_SIZES, DELTA_HEAD_DIMS
-from ..tune import (OPS as TUNE_OPS, RESIDUAL as TUNE_RESIDUAL, ROUNDS as TUNE_ROUNDS, SHAPES as TUNE_SHAPES,
-                    SIZES as TUNE_SIZES)
+from ..search_space import OPS as TUNE_OPS, RESIDUAL as TUNE_RESIDUAL, SHAPES as TUNE_SHAPES, SIZES as TUNE_SIZES
+from ..tune import ROUNDS as TUNE_ROUNDS
 
 
 def _hidden_sizes(ctx, param, value):

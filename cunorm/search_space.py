@@ -1,0 +1,215 @@
+"""What `cunorm tune` measures: the keys of a run (`Job`, `plan`: one per
+direction, LayerNorm or RMSNorm, residual, hidden size and input element
+bytes) and, per key, the candidate traits — the launch shapes screened first
+(`candidates`) and the extras tried on the fastest of them (`refinements`).
+cunorm/tune.py times them."""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+from . import dtypes, tables
+from .check import SHORT_NAMES
+from .traits import CTAS_PER_ROW_CHOICES, Traits, ctas_for_registers
+
+SHAPES = dict(ctas_per_row=CTAS_PER_ROW_CHOICES, warps_n=(1, 2, 4, 8, 16, 32), warps_m=(1, 2, 4, 8), bytes_per_ldg=(16, 8),
+              lanes_per_row=(32, 16, 8, 4))
+EXTRAS = dict(stages=(1, 2, 3, 4), min_ctas_per_sm=(1, 2), cache_weights=(True, False),
+              smem_accumulators=(False, True), recompute=(True, False))
+SIZES = (1024, 4096, 8192, 16384)  # what `cunorm tune` tunes by default
+OPS = {name: (backward, op == "rms_norm") for name, (op, backward) in SHORT_NAMES.items()}  # (backward, rms)
+RESIDUAL = {"no": (False,), "yes": (True,), "both": (False, True)}  # residual variants per --residual
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    """One key to measure and the call it is measured on: inputs, weights and
+    bias of `dtype`, rows of `n`. A general key holds its aligned neighbour's
+    size (what dispatch looks up), `n` the size asked for."""
+
+    key: tables.Key
+    dtype: str
+    n: int
+
+    @classmethod
+    def of(cls, n: int, dtype: str, backward: bool = False, rms: bool = False, residual: bool = False) -> "Job":
+        from .dispatch import tuned_neighbour
+
+        nbytes = dtypes.itemsize(dtype)
+        general = n % dtypes.vector_elements(nbytes) != 0
+        return cls(tables.Key(backward, rms, residual, tuned_neighbour(n, dtype), nbytes, general), dtype, n)
+
+    def label(self) -> str:
+        k = self.key
+        op = f"{'rms-' if k.rms else ''}{'bwd' if k.backward else 'fwd'}{'+residual' if k.residual else ''}"
+        return f"{op} N={self.n} {self.dtype}"
+
+    def call_fields(self) -> dict:
+        """The dispatch fields of the timed call (contiguous rows), as the op derives them."""
+        from .check import Case, case_call
+
+        op = f"{'rms_norm' if self.key.rms else 'layer_norm'}{'_backward' if self.key.backward else ''}"
+        return case_call(Case(op, self.n, 1, self.dtype, self.dtype, has_bias=not self.key.rms,
+                              residual_dtype=self.dtype if self.key.residual else None))
+
+    def workload(self):
+        """The timed call, a bench.Case on M*N = bench.ELEMENTS: `call(traits=knobs)` runs it with knobs forced."""
+        from . import bench
+
+        op = f"{'rms_norm' if self.key.rms else 'layer_norm'}{'+residual' if self.key.residual else ''}"
+        return next(bench.norm_cases((self.n,), self.dtype, ops=(op,),
+                                     directions=("bwd" if self.key.backward else "fwd",)))
+
+
+def plan(sizes=SIZES, ops=tuple(OPS), residuals=(False,), dtype_names=("bfloat16",)) -> tuple:
+    """(jobs, notes): a Job per distinct key, and a note for each request that
+    shares another's key: dtypes of one element size (the first named is
+    measured) and general sizes beside one aligned neighbour (the first)."""
+    measured, notes = {}, []
+    for name in dtype_names:
+        first = measured.setdefault(dtypes.itemsize(name), name)
+        if first != name:
+            notes.append(f"{name} shares {first}'s entries ({dtypes.itemsize(name)}-byte inputs): measured as {first}")
+    jobs, first_size = {}, {}
+    for dtype in measured.values():
+        for n in sizes:
+            for (backward, rms), residual in itertools.product((OPS[o] for o in ops), residuals):
+                job = Job.of(n, dtype, backward, rms, residual)
+                jobs.setdefault(job.key, job)
+            key = Job.of(n, dtype).key
+            first = first_size.setdefault((key.n, key.general, dtype), n)
+            if first != n:
+                notes.append(f"N={n} shares N={first}'s entries ({dtype}: the general rows beside N={key.n})")
+    return list(jobs.values()), notes
+
+
+def _legal(call: dict, arch: int, **knobs) -> Traits | None:
+    from .dispatch import from_knobs
+
+    try:
+        t = from_knobs(knobs, **call)
+        t.check_arch(arch)
+    except ValueError:
+        return None
+    # Skip shapes that leave most of a CTA idle or hold too few elements per thread.
+    if t.threads_per_cta < 64 or t.elts_per_thread < 8 or t.ldgs * t.vec_cols_per_ldg > 2 * t.vec_cols:
+        return None
+    return t
+
+
+def candidates(hidden_size: int, dtype: str, backward: bool, arch: int = 90, rms: bool = False,
+               residual: bool = False, warps_n=None) -> list:
+    """Phase 1: launch shapes (CTAs per row, warps, load width; `warps_n`
+    replaces SHAPES' WARPS_N values) with default extras, as the op builds
+    them for contiguous rows: the general kernel where the load width does
+    not divide N. Cluster rows are screened with pushed exchanges. A
+    backward (`warps_n` not given) is also screened on the other WARPS_N up
+    to SHAPES' largest that split its rows into whole loads a thread
+    (`Traits.full_tiles`): rows of N = k * 2^j elements with an odd k
+    (LayerNorm backward 14336 = 7 * 2048 on 2 CTAs of 14 warps, 15360 on 8
+    of 3: +0.07-0.10 of copy on an H100, PERFORMANCE.md version 69), about
+    twice the shapes there; a general key's rows never split so. Not the
+    forward: its rows of 12-15 warps lost (version 41), and it screens each
+    shape five ways."""
+    from .dispatch import cluster_offered
+
+    job = Job.of(hidden_size, dtype, backward, rms, residual)
+    call = job.call_fields()
+    out = []
+    powers = warps_n or SHAPES["warps_n"]
+    warp_counts = range(1, max(powers) + 1) if backward and not warps_n else powers
+    for ctas, wn, wm, bpl, lanes in itertools.product(SHAPES["ctas_per_row"], warp_counts, SHAPES["warps_m"],
+                                                      SHAPES["bytes_per_ldg"], SHAPES["lanes_per_row"]):
+        if (ctas > 1 and wm > 1) or (lanes < 32 and (ctas > 1 or wn > 1)):  # several rows a warp: one warp wide
+            continue
+        t = _legal(call, arch, ctas_per_row=ctas, warps_n=wn, warps_m=wm, bytes_per_ldg=bpl, lanes_per_row=lanes)
+        if t is not None and wn not in powers and not t.full_tiles:
+            continue  # a warp count beyond the powers of two only where the row splits evenly
+        if t is not None and not cluster_offered(t, arch):
+            continue  # as dispatch offers 16-CTA clusters (a GPU holding none fails to load them: dropped)
+        # A general key serves calls dispatch runs on the general kernel: a load width dividing N runs the
+        # aligned one, whose knobs dispatch would not take for them.
+        if t is not None and not (job.key.general and t.aligned_rows):
+            t = with_pushed_exchange(t)
+            out.append(t)
+            if not backward:  # the forward's shapes also unstaged (screening caps, weights held or not)
+                out += _unstaged(t, UNSTAGED_SCREEN_CAPS, arch, caches=(False, True))
+    return out
+
+
+UNSTAGED_CAPS = (48, 64, 80, 128)  # registers a thread, an unstaged forward's refinements
+# An unstaged shape is screened at two caps, with weights held in registers and re-read: a row of 40-64
+# elements a thread spills under 64 registers, or with its weights held (and is dropped there), but not under
+# 96 (2-3 CTAs an SM) or re-reading them, where it can rank among the KEEP refined (H100: LayerNorm 12800 and
+# 15360 were missed without).
+UNSTAGED_SCREEN_CAPS = (64, 96)
+
+
+def _unstaged(shape: Traits, caps, arch: int, caches) -> list:
+    """A forward shape without a persistent grid (a CTA a row group, rows straight into registers), its
+    registers capped at each of `caps` (fewer registers: more CTAs an SM to overlap the rows' latencies),
+    its weights held in registers or re-read as each of `caches` says."""
+    out = []
+    for cap, cache in itertools.product(caps, caches):
+        try:
+            t = shape.replace(persistent=False, stages=1, cache_weights=cache,
+                              min_ctas_per_sm=ctas_for_registers(shape.threads_per_cta, cap))
+            t.check_arch(arch)
+        except ValueError:
+            continue
+        if t not in out:
+            out.append(t)
+    return out
+
+
+def extra_combinations(backward: bool):
+    """The extras' combinations (EXTRAS order) worth trying in a direction."""
+    for stages, min_ctas, cache, smem_acc, recompute in itertools.product(*EXTRAS.values()):
+        if backward or not (smem_acc or not recompute):  # both knobs only change the backward
+            yield stages, min_ctas, cache, smem_acc, recompute
+
+
+def refinements(shape: Traits, arch: int = 90) -> list:
+    """Phase 1, on a fast shape: the extras (stages, register cap, weight caching, shared-memory sums); an
+    unstaged forward's: its register caps, with weights held or re-read; a LayerNorm forward of cluster rows
+    each of them with merged moments too; every refinement of cluster rows with the other exchange too."""
+    if not shape.persistent:
+        unstaged = _unstaged(shape, UNSTAGED_CAPS, arch, caches=(False, True))
+        return _with_pushed_exchanges(_with_merged_moments(unstaged))
+    from .dispatch import _late_dgamma_registers
+
+    out = []
+    for values in extra_combinations(shape.backward):
+        try:
+            # as dispatch runs it: a late-dgamma backward keeps its register cap (the table entry measured
+            # one CTA an SM where dispatch ran two, LayerNorm fp32 2048 with a residual)
+            t = _late_dgamma_registers(shape.replace(**dict(zip(EXTRAS, values))))
+            t.check_arch(arch)
+        except ValueError:
+            continue
+        if t.register_cap >= 64 and t not in out:  # a cap below 64 registers only spills
+            out.append(t)
+    return _with_pushed_exchanges(_with_merged_moments(out))
+
+
+def _with_merged_moments(refined: list) -> list:
+    """The refinements, and those of LayerNorm forwards of cluster rows again with merged moments."""
+    out = list(refined)
+    for t in refined:
+        try:
+            out.append(t.replace(merged_moments=True))
+        except ValueError:  # not such a forward
+            pass
+    return out
+
+
+def with_pushed_exchange(shape: Traits) -> Traits:
+    """A cluster row's shape with pushed exchanges: how cluster rows are screened, as the pushed exchange was
+    faster than the barrier one for 20 of the 21 picks measured in version 61 (H200 and H100, bf16,
+    16384-131072); the barrier one stays a refinement (the loss: an unstaged RMSNorm forward at 65536)."""
+    return shape.replace(pushed_exchange=True) if shape.uses_cluster else shape
+
+
+def _with_pushed_exchanges(refined: list) -> list:
+    """The refinements, and those of cluster rows again with the other exchange (barrier or pushed)."""
+    return list(refined) + [t.replace(pushed_exchange=not t.pushed_exchange) for t in refined if t.uses_cluster]

@@ -127,7 +127,8 @@ def _steps(shapes: list, backward: bool, keep: int, finalists: int, rounds: int)
     """Progress steps of a key, about: shapes, extras, final rounds and checks, the incumbent's beside the
     finalists' (the bar is filled at the key's end; cluster rows' extras are also tried with the other
     exchange, not counted here)."""
-    return len(shapes) + keep * len(list(extra_combinations(backward))) + (finalists + 1) * (rounds + 1)
+    incumbent = 1 if finalists else 0  # the ranking step alone (`tune`) has no final rounds
+    return len(shapes) + keep * len(list(extra_combinations(backward))) + (finalists + incumbent) * (rounds + 1)
 
 
 def current_gpu() -> tuple:

@@ -682,7 +682,8 @@ def test_the_shared_memory_rule_counts_the_static_scratch_too(monkeypatch):
     # LayerNorm's two row sums (K = 2) in 2 x 1 x 16 warp slots and 2 x 2 CTA slots of fp32, two mbarriers
     assert t.row_sums == 2 and t.static_smem_bytes == (2 * 16 * 2 + 2 * 2 * 2) * 4 + 16
     assert t.smem_footprint == t.smem_bytes + t.static_smem_bytes
-    assert t.replace(rms=True).row_sums == 1 and t.replace(pushed_exchange=False).static_smem_bytes < t.static_smem_bytes
+    assert t.replace(rms=True).row_sums == 1
+    assert t.replace(pushed_exchange=False).static_smem_bytes < t.static_smem_bytes
     assert t.smem_bytes > 0 and fits.smem_bytes > 0
     monkeypatch.setitem(traits_module.SMEM_LIMIT, 90, t.smem_bytes)  # the dynamic part alone fits exactly
     with pytest.raises(ValueError, match=r"WARPS_N=16 .*bytes of dynamic and up to \d+ of static shared memory"):

@@ -504,7 +504,7 @@ def heuristic(*, hidden_size: int, input_dtype: str, elts_per_ldg: int | None = 
             except ValueError:
                 continue
             # Unstaged, the column sums may take all of the GPU's shared memory (one CTA per SM).
-            if (staged.smem_footprint <= limit) if stages == 1 else (staged.smem_bytes <= budget):
+            if staged.smem_footprint <= limit and (stages == 1 or staged.smem_bytes <= budget):
                 staged.check_arch(arch)
                 return _late_dgamma_registers(staged)
     raise ValueError(f"x: hidden size {hidden_size} ({input_dtype}, {'backward' if backward else 'forward'}) "

@@ -409,9 +409,12 @@ class Traits:
         compute = dtypes.itemsize(self.compute_dtype)
         senders = self.ctas_per_row if self.pushed_exchange else 1
 
+        def aligned(nbytes: int) -> int:  # the CTA slots are __align__(16): the arrays before them pad to it
+            return -(-nbytes // 16) * 16
+
         def reducer(k: int) -> int:
             even_k = k + (k & 1) if k > 1 else 1
-            return (2 * self.warps_m * self.warps_n * k + 2 * senders * even_k) * compute + 2 * 8
+            return aligned(2 * self.warps_m * self.warps_n * k * compute) + aligned(2 * senders * even_k * compute) + 16
 
         return reducer(self.row_sums) + (reducer(1) if self.quant == "row" else 0)
 

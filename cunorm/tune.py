@@ -158,8 +158,9 @@ def tune(hidden_size: int, dtype: str = "bfloat16", backward: bool = False, keep
 def final_rounds(ranked: list, case, rounds: int, tick, deadline=None, finalists: int = FINALISTS,
                  incumbent: Traits | None = None) -> list:
     """[(times, traits)] of the `finalists` fastest of `ranked`, and of
-    `incumbent` (or the barrier twin that stood in for its spilling pushed
-    exchange) where it was ranked lower, each timed once a round, the rounds
+    `incumbent` (or, where a pushed incumbent is not in `ranked`, its barrier
+    twin: what `_compiled` times in place of one that spills) where it was
+    ranked lower, each timed once a round, the rounds
     interleaved so that drift hits them alike; best median first. An
     incumbent that did not compile clean or launch is not in `ranked`, and
     not timed."""

@@ -273,6 +273,11 @@ def test_pushed_exchanges_compile_clean_where_the_barrier_exchange_does():
     ("rms_norm", 32768, "bfloat16", dict(warps_n=16, ctas_per_row=16, pushed_exchange=True), {}),
     ("rms_norm", 4096, "bfloat16", dict(warps_n=4, ctas_per_row=2, pushed_exchange=True),
      dict(out_dtype="float8_e4m3fn", scaling="row")),  # the row max's reducer too
+    # an odd count of warp slots: ptxas pads them to the CTA slots' 16-byte alignment
+    ("rms_norm_backward", 15360, "bfloat16", dict(warps_n=3, ctas_per_row=8, bytes_per_ldg=8, pushed_exchange=True),
+     {}),
+    ("rms_norm", 3072, "bfloat16", dict(warps_n=3, ctas_per_row=2, pushed_exchange=True),
+     dict(out_dtype="float8_e4m3fn", scaling="row")),
 ])
 def test_static_shared_memory_is_what_the_traits_count_at_most(op, n, dtype, knobs, fields):
     """Traits.static_smem_bytes (the rule's static part) bounds what ptxas reports for the main kernel, and

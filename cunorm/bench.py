@@ -431,42 +431,70 @@ def timer_of(timing: str):
 
 
 def run(sizes=BENCH_SIZES, dtype="bfloat16", weight_dtype=None, repeat=20, out=sys.stdout,
-        head_dims=DELTA_HEAD_DIMS, extras=True, ops=None, timing: str = "api") -> dict:
+        head_dims=DELTA_HEAD_DIMS, extras=True, ops=None, timing: str = "api", rounds: int = 1) -> dict:
     """The bandwidth table: every op at `sizes` (and, with `extras`, strided
     rows and odd sizes), attention_delta at `head_dims`; `ops` (names of
-    BENCH_OPS; None: all) picks the ops and directions; `timing` as `timer_of` says."""
+    BENCH_OPS; None: all) picks the ops and directions; `timing` as `timer_of` says.
+    `rounds` > 1 runs the whole sweep that many times (each case's arrays made
+    afresh each round: a round holds one case's at a time), so drift and a stalled
+    reading show as the spread; each row is then the median [min, max] of its rounds."""
     timer = timer_of(timing)
     pairs = op_pairs(ops)
     head_dims = head_dims if ops is None or "delta" in ops else ()
     qk, fp8, dropout = (ops is None or name in ops for name in ("qk", "fp8", "dropout"))
     copy = copy_bandwidth()
     results = {"gpu": gpu_name(), "copy_gbps": copy / 1e9, "dtype": dtype,
-               "weight_dtype": weight_dtype or dtype, "elements": ELEMENTS, "timing": timing, "rows": []}
+               "weight_dtype": weight_dtype or dtype, "elements": ELEMENTS, "timing": timing, "rounds": rounds,
+               "rows": []}
+    spread = f"; median [min, max] of {rounds} rounds" if rounds > 1 else ""
     print(f"# {results['gpu']}: device-to-device copy {copy / 1e9:.0f} GB/s (read + write); "
-          f"{_TIMING_WORDS[timing]}", file=out)
-    print(f"{'op':<36} {'N or K':>6} {'ms':>8} {'GB/s':>7} {'of copy':>7}", file=out)
-    cases = [norm_cases(sizes, dtype, weight_dtype, only=pairs)]
+          f"{_TIMING_WORDS[timing]}{spread}", file=out)
+    print(f"{'op':<36} {'N or K':>6} {'ms':>8} {'GB/s':>7} {'of copy':>7}{'  [min, max]' if spread else ''}",
+          file=out)
+
+    def sweep():
+        cases = [norm_cases(sizes, dtype, weight_dtype, only=pairs)]
+        if extras:
+            cases += [norm_cases(STRIDED[0], dtype, weight_dtype, PLAIN_OPS, STRIDED[1], only=pairs),
+                      norm_cases(ODD_SIZES, dtype, weight_dtype, PLAIN_OPS, only=pairs)]
+        return itertools.chain(*cases, delta_cases(head_dims, dtype), qk_cases(dtype) if qk else (),
+                               fp8_cases(dtype) if fp8 else (), dropout_cases(dtype) if dropout else ())
+
     count = len(sizes) * len(pairs) + len(head_dims) + qk + fp8 + 2 * len(DROPOUT_SIZES) * dropout
     if extras:
-        cases += [norm_cases(STRIDED[0], dtype, weight_dtype, PLAIN_OPS, STRIDED[1], only=pairs),
-                  norm_cases(ODD_SIZES, dtype, weight_dtype, PLAIN_OPS, only=pairs)]
         count += (len(STRIDED[0]) + len(ODD_SIZES)) * sum(op in PLAIN_OPS for op, _ in pairs)
-    with progress(count, "benchmarking", out) as (bar, echo):
-        for case in itertools.chain(*cases, delta_cases(head_dims, dtype), qk_cases(dtype) if qk else (),
-                                    fp8_cases(dtype) if fp8 else (), dropout_cases(dtype) if dropout else ()):
-            ms = timer(case.call, repeat)
-            bw = case.nbytes / (ms * 1e-3)
-            results["rows"].append({"op": case.op, "n": case.n, "ms": ms, "gbps": bw / 1e9,
-                                    "fraction_of_copy": bw / copy})
-            echo(f"{case.op:<36} {case.n:>6} {ms:>8.4f} {bw / 1e9:>7.0f} {bw / copy:>7.3f}")
-            if case.native is not None:  # torch doing the same, same bytes counted
-                ms = timer(case.native, repeat)
-                bw = case.nbytes / (ms * 1e-3)
-                results["rows"].append({"op": f"{case.op} (torch)", "n": case.n, "ms": ms, "gbps": bw / 1e9,
-                                        "fraction_of_copy": bw / copy})
-                echo(f"{'  torch: ' + case.op:<36} {case.n:>6} {ms:>8.4f} {bw / 1e9:>7.0f} {bw / copy:>7.3f}")
-            bar.update(1)
+    timed = {}  # (op, n) -> (bytes, [ms a round]), in the first round's order; torch's as "op (torch)"
+    with progress(count * rounds, "benchmarking", out) as (bar, echo):
+        for _ in range(rounds):
+            for case in sweep():
+                for op, fn in ((case.op, case.call), (f"{case.op} (torch)", case.native)):
+                    if fn is None:
+                        continue
+                    times = timed.setdefault((op, case.n), (case.nbytes, []))[1]
+                    times.append(timer(fn, repeat))
+                    if rounds == 1:
+                        echo(_sweep_line(_sweep_row(op, case.n, case.nbytes, times, copy), False))
+                bar.update(1)
+        for (op, n), (nbytes, times) in timed.items():
+            results["rows"].append(_sweep_row(op, n, nbytes, times, copy))
+            if rounds > 1:
+                echo(_sweep_line(results["rows"][-1], True))
     return results
+
+
+def _sweep_row(op: str, n: int, nbytes: int, times: list, copy: float) -> dict:
+    """A row of the bandwidth table: the median ms of its rounds, its bandwidth and fraction of `copy`, and the
+    fraction's [min, max] over the rounds."""
+    bandwidths = [nbytes / (t * 1e-3) for t in times]
+    gbps = float(np.median(bandwidths)) / 1e9
+    return {"op": op, "n": n, "ms": float(np.median(times)), "gbps": gbps, "fraction_of_copy": gbps * 1e9 / copy,
+            "fraction_min": min(bandwidths) / copy, "fraction_max": max(bandwidths) / copy}
+
+
+def _sweep_line(row: dict, spread: bool) -> str:
+    op = row["op"] if not row["op"].endswith(" (torch)") else "  torch: " + row["op"][:-len(" (torch)")]
+    line = f"{op:<36} {row['n']:>6} {row['ms']:>8.4f} {row['gbps']:>7.0f} {row['fraction_of_copy']:>7.3f}"
+    return line + (f"  [{row['fraction_min']:.3f}, {row['fraction_max']:.3f}]" if spread else "")
 
 
 HOST_SHAPES = ((1, 4096), (8, 4096), (128, 4096), (4096, 4096))

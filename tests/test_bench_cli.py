@@ -251,3 +251,41 @@ def test_kernel_time_times_variants_and_the_sweep_with_the_kernel_timer(stand_in
     assert out["rows"][0]["variants"]["tuned"]["us"] == pytest.approx(TUNED_MS * 1e3 / 4)
     res = runner().invoke(cli.main, ["bench", "--traits", "warps_n=8", "--sizes", "1024", "--rounds", "1", "--json"])
     assert json.loads(res.stdout)["timing"] == "api"
+
+
+def test_sweep_rounds_report_the_median_and_spread_of_whole_sweeps(stand_in_gpu, monkeypatch):
+    """--rounds K without variants runs the bandwidth sweep K times over (a case's arrays made afresh each
+    round) and reports each row's median [min, max]; one round (the default) prints rows as they are timed."""
+    readings = iter([1.0, 4.0, 2.0] * 8)  # a stall in round 2; cases in sweep order, round after round
+    monkeypatch.setattr(bench, "kernel_ms", lambda fn, repeat: fn() * next(readings))
+    drawn = []
+    real = bench.norm_cases
+
+    def counted(*args, **kwargs):
+        drawn.append(args[0])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(bench, "norm_cases", counted)
+    res = runner().invoke(cli.main, ["bench", "--kernel-time", "--sizes", "1024,4096", "--ops", "fwd,rms-bwd",
+                                     "--no-extras", "--rounds", "3", "--json"])
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.stdout)
+    assert out["rounds"] == 3 and len(drawn) == 3  # the sweep's cases drawn afresh each round
+    assert [(r["op"], r["n"]) for r in out["rows"]] == [("layer_norm fwd", 1024), ("rms_norm bwd", 1024),
+                                                        ("layer_norm fwd", 4096), ("rms_norm bwd", 4096)]
+    full = 10**9 / (TUNED_MS * 1e-3) / 2e12  # the stand-in's fraction at 1 ms
+    readings_of = {0: (1.0, 4.0, 2.0), 1: (4.0, 2.0, 1.0), 2: (2.0, 1.0, 4.0), 3: (1.0, 4.0, 2.0)}
+    for i, row in enumerate(out["rows"]):  # the readings each case drew, one a round
+        got = sorted(full / m for m in readings_of[i])
+        assert row["ms"] == pytest.approx(TUNED_MS * 2.0)
+        assert (row["fraction_min"], row["fraction_of_copy"], row["fraction_max"]) == pytest.approx(tuple(got))
+    assert "median [min, max] of 3 rounds" in res.stderr and f"[{full / 4:.3f}, {full:.3f}]" in res.stderr
+    res = runner().invoke(cli.main, ["bench", "--kernel-time", "--sizes", "1024", "--ops", "fwd", "--no-extras",
+                                     "--json"])
+    assert res.exit_code == 0, res.output
+    row = json.loads(res.stdout)["rows"][0]
+    assert json.loads(res.stdout)["rounds"] == 1 and row["fraction_min"] == row["fraction_max"]
+    assert "rounds" not in res.stderr.splitlines()[0] and "[" not in res.stderr.split("layer_norm fwd")[1]
+    res = runner().invoke(cli.main, ["bench", "--host", "--rounds", "2"])
+    assert res.exit_code == 2 and "--rounds" in res.output
+

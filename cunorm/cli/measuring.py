@@ -104,8 +104,9 @@ def _plot(results: dict, path: str, saved: str | None = None):
 @click.option("--traits", "traits", multiple=True, callback=_traits_variants, metavar="KNOB=V,...",
               help="Forced kernel traits, e.g. \"warps_n=4,stages=3\" (repeatable; knobs as in cunorm.Traits): a "
                    "variant timed beside the shipped dispatch (\"tuned\") at --sizes; skipped where illegal.")
-@click.option("--rounds", type=click.IntRange(min=1), default=5, show_default=True,
-              help="Interleaved rounds per case (with --source or --traits).")
+@click.option("--rounds", type=click.IntRange(min=1),
+              help="Rounds: of each case, interleaved, with --source or --traits (default 5); else of the whole "
+                   "bandwidth sweep (default 1), each row then the median [min, max] of its rounds.")
 @click.option("--plot", "plot_file", type=click.Path(dir_okay=False),
               help="Also draw fraction of copy against N to this .png or .svg file (needs cunorm[plot]).")
 @click.option("--from-json", "from_json", type=click.Path(exists=True, dir_okay=False),
@@ -125,6 +126,8 @@ def bench(ctx, sizes, head_dims, ops, dtype, weight_dtype, repeat, no_extras, ho
         raise click.UsageError("--kernel-time times the bandwidth sweep and variants, not --host or --graph")
     if (source_file or traits) and (host or graph):
         raise click.UsageError("--source and --traits time variants in the bandwidth sweep, not with --host or --graph")
+    if rounds and (host or graph):
+        raise click.UsageError("--rounds repeats the bandwidth sweep or the variants, not --host or --graph")
     if ops and (host or graph):
         raise click.UsageError("--ops picks the bandwidth sweep's ops, not --host's or --graph's")
     if ops == ("delta",) and (source_file or traits):
@@ -166,7 +169,7 @@ def bench(ctx, sizes, head_dims, ops, dtype, weight_dtype, repeat, no_extras, ho
         sys.exit(cli.EXIT_NO_GPU)
     out = sys.stderr if as_json else sys.stdout
     if source is not None or traits:
-        results = b.compare(sizes, b.variants_of(source, traits), dtype, weight_dtype, rounds=rounds,
+        results = b.compare(sizes, b.variants_of(source, traits), dtype, weight_dtype, rounds=rounds or 5,
                             repeat=max(repeat // 2, 5), directions=directions or b.DIRECTIONS, out=out,
                             timing="kernel" if kernel_time else "api", **({"ops": ops} if ops else {}))
     elif host:
@@ -175,7 +178,7 @@ def bench(ctx, sizes, head_dims, ops, dtype, weight_dtype, repeat, no_extras, ho
         results = b.run_graph(dtype=dtype, out=out)
     else:
         results = b.run(sizes, dtype, weight_dtype, repeat, out=out, head_dims=head_dims, extras=not no_extras,
-                        ops=ops or None, timing="kernel" if kernel_time else "api")
+                        ops=ops or None, timing="kernel" if kernel_time else "api", rounds=rounds or 1)
     if as_json:
         click.echo(json.dumps(results, indent=1))
     if output:

@@ -439,8 +439,9 @@ def run(sizes=BENCH_SIZES, dtype="bfloat16", weight_dtype=None, repeat=20, out=s
     afresh each round: a round holds one case's at a time), so drift and a stalled
     reading show as the spread; each row is then the median [min, max] of its rounds."""
     timer = timer_of(timing)
+    sizes = tuple(dict.fromkeys(sizes))  # a row a case: a size named twice is timed once
     pairs = op_pairs(ops)
-    head_dims = head_dims if ops is None or "delta" in ops else ()
+    head_dims = tuple(dict.fromkeys(head_dims)) if ops is None or "delta" in ops else ()
     qk, fp8, dropout = (ops is None or name in ops for name in ("qk", "fp8", "dropout"))
     copy = copy_bandwidth()
     results = {"gpu": gpu_name(), "copy_gbps": copy / 1e9, "dtype": dtype,

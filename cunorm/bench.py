@@ -435,13 +435,13 @@ def run(sizes=BENCH_SIZES, dtype="bfloat16", weight_dtype=None, repeat=20, out=s
     """The bandwidth table: every op at `sizes` (and, with `extras`, strided
     rows and odd sizes), attention_delta at `head_dims`; `ops` (names of
     BENCH_OPS; None: all) picks the ops and directions; `timing` as `timer_of` says.
-    `rounds` > 1 runs the whole sweep that many times (each case's arrays made
-    afresh each round: a round holds one case's at a time), so drift and a stalled
-    reading show as the spread; each row is then the median [min, max] of its rounds."""
+    `rounds` > 1 runs the whole sweep that many times (each size's arrays made
+    afresh each round, one size's alive at a time as in one round), so drift and a
+    stalled reading show as the spread; each row is then the median [min, max] of
+    its rounds (fraction of copy; ms and GB/s of the median time)."""
     timer = timer_of(timing)
-    sizes = tuple(dict.fromkeys(sizes))  # a row a case: a size named twice is timed once
     pairs = op_pairs(ops)
-    head_dims = tuple(dict.fromkeys(head_dims)) if ops is None or "delta" in ops else ()
+    head_dims = head_dims if ops is None or "delta" in ops else ()
     qk, fp8, dropout = (ops is None or name in ops for name in ("qk", "fp8", "dropout"))
     copy = copy_bandwidth()
     results = {"gpu": gpu_name(), "copy_gbps": copy / 1e9, "dtype": dtype,
@@ -450,7 +450,7 @@ def run(sizes=BENCH_SIZES, dtype="bfloat16", weight_dtype=None, repeat=20, out=s
     spread = f"; median [min, max] of {rounds} rounds" if rounds > 1 else ""
     print(f"# {results['gpu']}: device-to-device copy {copy / 1e9:.0f} GB/s (read + write); "
           f"{_TIMING_WORDS[timing]}{spread}", file=out)
-    print(f"{'op':<36} {'N or K':>6} {'ms':>8} {'GB/s':>7} {'of copy':>7}{'  [min, max]' if spread else ''}",
+    print(f"{'op':<36} {'N or K':>6} {'ms':>8} {'GB/s':>7} {'of copy':>7}{'  [min, max] of copy' if spread else ''}",
           file=out)
 
     def sweep():
@@ -464,19 +464,20 @@ def run(sizes=BENCH_SIZES, dtype="bfloat16", weight_dtype=None, repeat=20, out=s
     count = len(sizes) * len(pairs) + len(head_dims) + qk + fp8 + 2 * len(DROPOUT_SIZES) * dropout
     if extras:
         count += (len(STRIDED[0]) + len(ODD_SIZES)) * sum(op in PLAIN_OPS for op, _ in pairs)
-    timed = {}  # (op, n) -> (bytes, [ms a round]), in the first round's order; torch's as "op (torch)"
+    # (position in the round, torch's or not) -> (op, n, bytes, [ms a round]); torch's op named "op (torch)".
+    timed = {}
     with progress(count * rounds, "benchmarking", out) as (bar, echo):
         for _ in range(rounds):
-            for case in sweep():
-                for op, fn in ((case.op, case.call), (f"{case.op} (torch)", case.native)):
+            for i, case in enumerate(sweep()):
+                for native, op, fn in ((False, case.op, case.call), (True, f"{case.op} (torch)", case.native)):
                     if fn is None:
                         continue
-                    times = timed.setdefault((op, case.n), (case.nbytes, []))[1]
+                    times = timed.setdefault((i, native), (op, case.n, case.nbytes, []))[3]
                     times.append(timer(fn, repeat))
                     if rounds == 1:
                         echo(_sweep_line(_sweep_row(op, case.n, case.nbytes, times, copy), False))
                 bar.update(1)
-        for (op, n), (nbytes, times) in timed.items():
+        for op, n, nbytes, times in timed.values():
             results["rows"].append(_sweep_row(op, n, nbytes, times, copy))
             if rounds > 1:
                 echo(_sweep_line(results["rows"][-1], True))
@@ -485,11 +486,11 @@ def run(sizes=BENCH_SIZES, dtype="bfloat16", weight_dtype=None, repeat=20, out=s
 
 def _sweep_row(op: str, n: int, nbytes: int, times: list, copy: float) -> dict:
     """A row of the bandwidth table: the median ms of its rounds, its bandwidth and fraction of `copy`, and the
-    fraction's [min, max] over the rounds."""
-    bandwidths = [nbytes / (t * 1e-3) for t in times]
-    gbps = float(np.median(bandwidths)) / 1e9
-    return {"op": op, "n": n, "ms": float(np.median(times)), "gbps": gbps, "fraction_of_copy": gbps * 1e9 / copy,
-            "fraction_min": min(bandwidths) / copy, "fraction_max": max(bandwidths) / copy}
+    fraction's [min, max] over the rounds (of the slowest and the fastest round)."""
+    ms = float(np.median(times))
+    return {"op": op, "n": n, "ms": ms, "gbps": nbytes / (ms * 1e-3) / 1e9,
+            "fraction_of_copy": nbytes / (ms * 1e-3) / copy, "fraction_min": nbytes / (max(times) * 1e-3) / copy,
+            "fraction_max": nbytes / (min(times) * 1e-3) / copy}
 
 
 def _sweep_line(row: dict, spread: bool) -> str:

@@ -43,7 +43,7 @@ def series(results: dict) -> dict:
                     continue
                 add((row["op"], variant), row["n"], v["fraction_of_copy"], v["fraction_min"], v["fraction_max"])
         elif "fraction_of_copy" in row:
-            add((row["op"], None), row["n"], row["fraction_of_copy"])
+            add((row["op"], None), row["n"], row["fraction_of_copy"], row.get("fraction_min"), row.get("fraction_max"))
         elif "graph" in row:
             add((row["op"], "API"), row["n"], row["api"])
             add((row["op"], "graph replay"), row["n"], row["graph"])

@@ -1,8 +1,10 @@
 """Tier A: `cunorm bench` without a GPU: its options, kernel variants
 (--traits, --source) timed on a stand-in GPU whose calls report their own
 time, and the bandwidth plot (cunorm.plot). `cunorm tune`: test_tune.py."""
+import itertools
 import json
 import sys
+import weakref
 
 import pytest
 from click.testing import CliRunner
@@ -162,6 +164,9 @@ def test_series_one_line_per_op_and_variant():
     assert plot.series(COMPARED) == {("rms_norm bwd", "tuned"): [(1024, 0.8, 0.78, 0.82), (8192, 0.9, 0.88, 0.91)],
                                      ("rms_norm bwd", "warps_n=64"): [(8192, 0.89, 0.87, 1.2)]}
     assert list(plot.series(GRAPH)) == [("layer_norm fwd", "API"), ("layer_norm fwd", "graph replay")]
+    rounds = {"rows": [{"op": "layer_norm fwd", "n": 1024, "fraction_of_copy": 0.8, "fraction_min": 0.7,
+                        "fraction_max": 0.85}]}  # a sweep of several rounds: its spread is drawn too
+    assert plot.series(rounds) == {("layer_norm fwd", None): [(1024, 0.8, 0.7, 0.85)]}
 
 
 @pytest.mark.parametrize("results", [TABLE, COMPARED, GRAPH])
@@ -253,39 +258,70 @@ def test_kernel_time_times_variants_and_the_sweep_with_the_kernel_timer(stand_in
     assert json.loads(res.stdout)["timing"] == "api"
 
 
+class _SizeArrays:
+    """Stands for the arrays of one size a stand-in sweep case holds (counted alive through a WeakSet)."""
+
+
 def test_sweep_rounds_report_the_median_and_spread_of_whole_sweeps(stand_in_gpu, monkeypatch):
-    """--rounds K without variants runs the bandwidth sweep K times over (a case's arrays made afresh each
-    round) and reports each row's median [min, max]; one round (the default) prints rows as they are timed."""
-    readings = iter([1.0, 4.0, 2.0] * 8)  # a stall in round 2; cases in sweep order, round after round
-    monkeypatch.setattr(bench, "kernel_ms", lambda fn, repeat: fn() * next(readings))
-    drawn = []
-    real = bench.norm_cases
+    """--rounds K without variants runs the bandwidth sweep K times over, each size's arrays made afresh each
+    round and never more than two sizes' alive, and reports each row's median [min, max]; rows are the cases
+    of a round, so a size named in --sizes and among the odd sizes stays two rows."""
+    alive, seen_alive, lengths = weakref.WeakSet(), [], []
 
-    def counted(*args, **kwargs):
-        drawn.append(args[0])
-        return real(*args, **kwargs)
+    def sweep_cases(sizes, dtype, weight_dtype=None, ops=bench.PLAIN_OPS, layout="", as_array=None,
+                    directions=bench.DIRECTIONS, native=False, only=None):
+        for n in sizes:
+            arrays = _SizeArrays()
+            alive.add(arrays)
+            for op in ops:
+                for direction in directions:
+                    if only is None or (op, direction) in only:
+                        def call(arrays=arrays):
+                            seen_alive.append(len(alive))
+                            return TUNED_MS
+                        yield bench.Case(f"{op}{' ' + layout if layout else ''} {direction}", n, 10**9, call)
 
-    monkeypatch.setattr(bench, "norm_cases", counted)
-    res = runner().invoke(cli.main, ["bench", "--kernel-time", "--sizes", "1024,4096", "--ops", "fwd,rms-bwd",
-                                     "--no-extras", "--rounds", "3", "--json"])
+    calls = itertools.count()
+    reading = lambda k: 1.0 + 0.5 * (k % 7)  # noqa: E731 - the k-th timing's factor: rows differ, rounds too
+    monkeypatch.setattr(bench, "kernel_ms", lambda fn, repeat: fn() * reading(next(calls)))
+    monkeypatch.setattr(bench, "norm_cases", sweep_cases)
+    real_progress = bench.progress
+    monkeypatch.setattr(bench, "progress", lambda length, *a: lengths.append(length) or real_progress(length, *a))
+    res = runner().invoke(cli.main, ["bench", "--kernel-time", "--sizes", "1024,4097", "--ops", "fwd,rms-bwd",
+                                     "--rounds", "3", "--json"])
     assert res.exit_code == 0, res.output
-    out = json.loads(res.stdout)
-    assert out["rounds"] == 3 and len(drawn) == 3  # the sweep's cases drawn afresh each round
-    assert [(r["op"], r["n"]) for r in out["rows"]] == [("layer_norm fwd", 1024), ("rms_norm bwd", 1024),
-                                                        ("layer_norm fwd", 4096), ("rms_norm bwd", 4096)]
+    out, per_round = json.loads(res.stdout), 10  # (2 sizes + 1 strided + 2 odd) x 2 ops
+    assert out["rounds"] == 3 and lengths == [per_round * 3] and max(seen_alive) <= 2
+    assert [(r["op"], r["n"]) for r in out["rows"]].count(("layer_norm fwd", 4097)) == 2
+    assert len(out["rows"]) == per_round and out["rows"][4]["op"] == "layer_norm stride+64 fwd"
     full = 10**9 / (TUNED_MS * 1e-3) / 2e12  # the stand-in's fraction at 1 ms
-    readings_of = {0: (1.0, 4.0, 2.0), 1: (4.0, 2.0, 1.0), 2: (2.0, 1.0, 4.0), 3: (1.0, 4.0, 2.0)}
-    for i, row in enumerate(out["rows"]):  # the readings each case drew, one a round
-        got = sorted(full / m for m in readings_of[i])
-        assert row["ms"] == pytest.approx(TUNED_MS * 2.0)
-        assert (row["fraction_min"], row["fraction_of_copy"], row["fraction_max"]) == pytest.approx(tuple(got))
-    assert "median [min, max] of 3 rounds" in res.stderr and f"[{full / 4:.3f}, {full:.3f}]" in res.stderr
-    res = runner().invoke(cli.main, ["bench", "--kernel-time", "--sizes", "1024", "--ops", "fwd", "--no-extras",
-                                     "--json"])
-    assert res.exit_code == 0, res.output
-    row = json.loads(res.stdout)["rows"][0]
-    assert json.loads(res.stdout)["rounds"] == 1 and row["fraction_min"] == row["fraction_max"]
-    assert "rounds" not in res.stderr.splitlines()[0] and "[" not in res.stderr.split("layer_norm fwd")[1]
-    res = runner().invoke(cli.main, ["bench", "--host", "--rounds", "2"])
-    assert res.exit_code == 2 and "--rounds" in res.output
+    for i, row in enumerate(out["rows"]):
+        ms = sorted(TUNED_MS * reading(r * per_round + i) for r in range(3))
+        assert row["ms"] == pytest.approx(ms[1]) and row["gbps"] == pytest.approx(10**9 / (ms[1] * 1e-3) / 1e9)
+        assert (row["fraction_min"], row["fraction_of_copy"], row["fraction_max"]) == pytest.approx(
+            (full / ms[2], full / ms[1], full / ms[0]))
+    first = out["rows"][0]
+    assert "median [min, max] of 3 rounds" in res.stderr
+    assert f"{first['fraction_of_copy']:>7.3f}  [{first['fraction_min']:.3f}, {first['fraction_max']:.3f}]" in res.stderr
+
+
+def test_one_sweep_round_prints_each_row_as_it_is_timed(stand_in_gpu, monkeypatch):
+    """The default (one round): the old line for each row, printed before the next case is timed (here the
+    second timing fails), and no spread."""
+    timings = []
+
+    def kernel_ms(fn, repeat):
+        timings.append(fn)
+        if len(timings) == 2:
+            raise RuntimeError("planted: the second case's timing")
+        return fn()
+
+    monkeypatch.setattr(bench, "kernel_ms", kernel_ms)
+    res = runner().invoke(cli.main, ["bench", "--kernel-time", "--sizes", "1024", "--ops", "fwd,bwd", "--no-extras"])
+    assert isinstance(res.exception, RuntimeError)
+    assert "layer_norm fwd                         1024   1.0000    1000   0.500\n" in res.stdout
+    assert "[" not in res.stdout.split("of copy")[1] and "rounds" not in res.stdout
+    for mode in ("--host", "--graph"):
+        res = runner().invoke(cli.main, ["bench", mode, "--rounds", "2"])
+        assert res.exit_code == 2 and "--rounds" in res.output
 

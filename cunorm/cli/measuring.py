@@ -169,9 +169,10 @@ def bench(ctx, sizes, head_dims, ops, dtype, weight_dtype, repeat, no_extras, ho
         sys.exit(cli.EXIT_NO_GPU)
     out = sys.stderr if as_json else sys.stdout
     if source is not None or traits:
-        results = b.compare(sizes, b.variants_of(source, traits), dtype, weight_dtype, rounds=rounds or 5,
-                            repeat=max(repeat // 2, 5), directions=directions or b.DIRECTIONS, out=out,
-                            timing="kernel" if kernel_time else "api", **({"ops": ops} if ops else {}))
+        given = {k: v for k, v in (("rounds", rounds), ("ops", ops)) if v}  # else compare's defaults
+        results = b.compare(sizes, b.variants_of(source, traits), dtype, weight_dtype, repeat=max(repeat // 2, 5),
+                            directions=directions or b.DIRECTIONS, out=out,
+                            timing="kernel" if kernel_time else "api", **given)
     elif host:
         results = b.run_host(dtype=dtype, repeat=max(repeat // 3, 5), out=out)
     elif graph:

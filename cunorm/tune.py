@@ -118,14 +118,15 @@ def _time_all(traits_list, case, device_id: int, tick, echo, deadline=None, skip
             echo(f"  {t.short()}: {type(e).__name__}: {str(e).splitlines()[0]}")
         tick(1)
     timed.sort(key=lambda p: p[0])
-    return _second_look(timed, case, deadline, fastest)
+    return _second_look(timed, case, echo, deadline, fastest)
 
 
-def _second_look(timed: list, case, deadline=None, fastest: float | None = None) -> list:
+def _second_look(timed: list, case, echo, deadline=None, fastest: float | None = None) -> list:
     """`timed` ([(ms, traits)] fastest first) with the shapes within SECOND_LOOK of the fastest (of them, or
     `fastest` ms where faster: the shapes' pass before the extras' pass) timed once
     more, after the whole pass (so a stall of the first pass does not hit both readings), each keeping its
-    faster reading; fastest first. Not counted in the progress bar (`_steps` cannot know how many)."""
+    faster reading (the first where the second fails to launch: reported); fastest first. Not counted in the
+    progress bar (`_steps` cannot know how many)."""
     from . import bench
 
     if not timed:
@@ -135,8 +136,11 @@ def _second_look(timed: list, case, deadline=None, fastest: float | None = None)
     for ms, t in timed:
         if ms <= bar:
             _check_time(deadline)
-            ms = min(ms, bench.median_ms(functools.partial(case.call, traits=t.knobs()), repeat=REPEAT, warmup=2,
-                                         batch=5))
+            try:
+                ms = min(ms, bench.median_ms(functools.partial(case.call, traits=t.knobs()), repeat=REPEAT,
+                                             warmup=2, batch=5))
+            except Exception as e:  # as in the first pass: reported, not fatal
+                echo(f"  {t.short()}: second look: {type(e).__name__}: {str(e).splitlines()[0]}")
         again.append((ms, t))
     return sorted(again, key=lambda p: p[0])
 
@@ -172,8 +176,8 @@ def current_gpu() -> tuple:
 def tune(hidden_size: int, dtype: str = "bfloat16", backward: bool = False, keep: int = KEEP, rms: bool = False,
          residual: bool = False, warps_n=None, out=sys.stdout) -> list:
     """[(ms, traits)] sorted fastest first: every shape timed once, then the
-    extras on the `keep` fastest shapes (the ranking step of `cunorm tune`;
-    nothing is written)."""
+    extras on the `keep` fastest shapes, those within SECOND_LOOK of the fastest
+    of their pass twice (the ranking step of `cunorm tune`; nothing is written)."""
     from .bench import progress
 
     device_id, arch, _ = current_gpu()

@@ -123,17 +123,20 @@ def candidates(hidden_size: int, dtype: str, backward: bool, arch: int = 90, rms
         if (ctas > 1 and wm > 1) or (lanes < 32 and (ctas > 1 or wn > 1)):  # several rows a warp: one warp wide
             continue
         t = _legal(call, arch, ctas_per_row=ctas, warps_n=wn, warps_m=wm, bytes_per_ldg=bpl, lanes_per_row=lanes)
-        if t is not None and wn not in powers and not t.full_tiles:
+        if t is None:
+            continue
+        if wn not in powers and not t.full_tiles:
             continue  # a warp count beyond the powers of two only where the row splits evenly
-        if t is not None and not cluster_offered(t, arch):
+        if not cluster_offered(t, arch):
             continue  # as dispatch offers 16-CTA clusters (a GPU holding none fails to load them: dropped)
         # A general key serves calls dispatch runs on the general kernel: a load width dividing N runs the
         # aligned one, whose knobs dispatch would not take for them.
-        if t is not None and not (job.key.general and t.aligned_rows):
-            t = with_pushed_exchange(t)
-            out.append(t)
-            if not backward:  # the forward's shapes also unstaged (screening caps, weights held or not)
-                out += _unstaged(t, UNSTAGED_SCREEN_CAPS, arch, caches=(False, True))
+        if job.key.general and t.aligned_rows:
+            continue
+        t = with_pushed_exchange(t)
+        out.append(t)
+        if not backward:  # the forward's shapes also unstaged (screening caps, weights held or not)
+            out += _unstaged(t, UNSTAGED_SCREEN_CAPS, arch, caches=(False, True))
     return out
 
 

@@ -424,6 +424,10 @@ class Traits:
         limit bounds."""
         return self.smem_bytes + self.static_smem_bytes
 
+    def _smem_words(self) -> str:
+        """The shared memory a CTA takes, in words for an error."""
+        return f"{self.smem_bytes} bytes of dynamic and up to {self.static_smem_bytes} of static shared memory"
+
     @property
     def source_file(self) -> str:
         """The kernels/ file these traits render."""
@@ -526,9 +530,7 @@ class Traits:
         rule(not self.zero_centered or self.has_weight, "a zero-centered weight needs a weight")
         rule(1 <= self.min_ctas_per_sm and self.min_ctas_per_sm * self.threads_per_cta <= 2048,
              "MIN_CTAS_PER_SM must be >= 1 and fit 2048 threads per SM")
-        rule(self.smem_footprint <= SMEM_LIMIT[90],
-             f"{self.smem_bytes} bytes of dynamic and up to {self.static_smem_bytes} of static shared memory exceed "
-             f"227 KB")
+        rule(self.smem_footprint <= SMEM_LIMIT[90], f"{self._smem_words()} exceed 227 KB")
         rule(self.backward or not self.smem_accumulators, "smem_accumulators is a backward knob")
         rule(self.backward or self.recompute, "recompute is a backward knob")
         rule(not self.merged_moments or (not self.backward and not self.rms and self.ctas_per_row > 1),
@@ -547,8 +549,7 @@ class Traits:
                              f"(sm_{CLUSTER_MIN_ARCH} or newer), not sm_{arch}")
         limit = SMEM_LIMIT.get(arch, DEFAULT_SMEM_LIMIT)
         if self.smem_footprint > limit:
-            raise ValueError(f"illegal traits {self.short()}: {self.smem_bytes} bytes of dynamic and up to "
-                             f"{self.static_smem_bytes} of static shared memory exceed sm_{arch}'s {limit}")
+            raise ValueError(f"illegal traits {self.short()}: {self._smem_words()} exceed sm_{arch}'s {limit}")
 
     # -- presentation -------------------------------------------------------
     def replace(self, **changes) -> "Traits":

@@ -99,21 +99,25 @@ def _compiled(traits_list, device_id: int, skip=frozenset()) -> list:
     return out
 
 
+def _time_once(case, traits: Traits) -> float:
+    """One timing of `case` with `traits` forced: ms a call (bench.median_ms of REPEAT batches)."""
+    from . import bench
+
+    return bench.median_ms(functools.partial(case.call, traits=traits.knobs()), repeat=REPEAT, warmup=2, batch=5)
+
+
 def _time_all(traits_list, case, device_id: int, tick, echo, deadline=None, skip=frozenset(),
               fastest: float | None = None) -> list:
     """[(ms, traits)] fastest first for the candidates `_compiled` keeps (a spilling pushed exchange
     replaced by the barrier one), each timed once, those near the fastest (of these, or `fastest` ms where
     faster) twice (`_second_look`); `tick(1)` per candidate."""
-    from . import bench
-
     clean = _compiled(traits_list, device_id, skip)
     tick(len(traits_list) - len(clean))
     timed = []
     for t in clean:
         _check_time(deadline)
         try:
-            timed.append((bench.median_ms(functools.partial(case.call, traits=t.knobs()), repeat=REPEAT,
-                                          warmup=2, batch=5), t))
+            timed.append((_time_once(case, t), t))
         except Exception as e:  # a candidate that fails to launch is reported, not fatal
             echo(f"  {t.short()}: {type(e).__name__}: {str(e).splitlines()[0]}")
         tick(1)
@@ -127,18 +131,15 @@ def _second_look(timed: list, case, echo, deadline=None, fastest: float | None =
     more, after the whole pass (so a stall of the first pass does not hit both readings), each keeping its
     faster reading (the first where the second fails to launch: reported); fastest first. Not counted in the
     progress bar (`_steps` cannot know how many)."""
-    from . import bench
-
     if not timed:
         return timed
-    bar = min(timed[0][0], fastest if fastest is not None else timed[0][0]) * (1 + SECOND_LOOK)
+    bar = (timed[0][0] if fastest is None else min(fastest, timed[0][0])) * (1 + SECOND_LOOK)
     again = []
     for ms, t in timed:
         if ms <= bar:
             _check_time(deadline)
             try:
-                ms = min(ms, bench.median_ms(functools.partial(case.call, traits=t.knobs()), repeat=REPEAT,
-                                             warmup=2, batch=5))
+                ms = min(ms, _time_once(case, t))
             except Exception as e:  # as in the first pass: reported, not fatal
                 echo(f"  {t.short()}: second look: {type(e).__name__}: {str(e).splitlines()[0]}")
         again.append((ms, t))
@@ -196,8 +197,6 @@ def final_rounds(ranked: list, case, rounds: int, tick, deadline=None, finalists
     interleaved so that drift hits them alike; best median first. An
     incumbent that did not compile clean or launch is not in `ranked`, and
     not timed."""
-    from . import bench
-
     times = {t: [] for _, t in ranked[:finalists]}
     timed = {t for _, t in ranked}
     if incumbent is not None:
@@ -209,8 +208,7 @@ def final_rounds(ranked: list, case, rounds: int, tick, deadline=None, finalists
     for _ in range(rounds):
         for t, ms in times.items():
             _check_time(deadline)
-            ms.append(bench.median_ms(functools.partial(case.call, traits=t.knobs()), repeat=REPEAT, warmup=2,
-                                      batch=5))
+            ms.append(_time_once(case, t))
             tick(1)
     return sorted(((ms, t) for t, ms in times.items()), key=lambda p: float(np.median(p[0])))
 

@@ -188,6 +188,14 @@ def tune(hidden_size: int, dtype: str = "bfloat16", backward: bool = False, keep
         return rank(shapes, job.workload(), device_id, arch, bar.update, echo, keep=keep)
 
 
+def _timed_as(incumbent: Traits | None) -> list:
+    """What stands for `incumbent` in the timings, in order of preference: itself, then (a pushed one) its
+    barrier twin, which `_compiled` times in place of one that spills."""
+    if incumbent is None:
+        return []
+    return [incumbent, incumbent.replace(pushed_exchange=False)] if incumbent.pushed_exchange else [incumbent]
+
+
 def final_rounds(ranked: list, case, rounds: int, tick, deadline=None, finalists: int = FINALISTS,
                  incumbent: Traits | None = None) -> list:
     """[(times, traits)] of the `finalists` fastest of `ranked`, and of
@@ -199,12 +207,10 @@ def final_rounds(ranked: list, case, rounds: int, tick, deadline=None, finalists
     not timed."""
     times = {t: [] for _, t in ranked[:finalists]}
     timed = {t for _, t in ranked}
-    if incumbent is not None:
-        twins = [incumbent, incumbent.replace(pushed_exchange=False)] if incumbent.pushed_exchange else [incumbent]
-        for t in twins:
-            if t in timed:
-                times.setdefault(t, [])
-                break
+    for t in _timed_as(incumbent):
+        if t in timed:
+            times.setdefault(t, [])
+            break
     for _ in range(rounds):
         for t, ms in times.items():
             _check_time(deadline)
@@ -279,18 +285,30 @@ def measure(job: Job, shapes: list, device_id: int, arch: int, copy: float, roun
     picks today, among them wherever it was timed) with the best median that
     passes the float64 check, with its median ms and fraction of `copy` (bytes/s of a
     copy), and the fraction's spread [min, max] over the rounds; None when
-    no finalist passes."""
+    no finalist passes. Where the incumbent was timed in the final rounds,
+    the entry's "incumbent" holds its knobs and reading from the same rounds
+    (what the new entry gains over it; not for the table)."""
     case = job.workload()
     ranked = rank(shapes, case, device_id, arch, tick, echo, deadline)
-    for times, t in final_rounds(ranked, case, rounds, tick, deadline, finalists, incumbent):
+    finals = final_rounds(ranked, case, rounds, tick, deadline, finalists, incumbent)
+    times_of = {t: times for times, t in finals}
+    before = next((t for t in _timed_as(incumbent) if t in times_of), None)
+
+    def reading(times: list) -> dict:
+        fractions = [case.nbytes / (ms * 1e-3) / copy for ms in times]
+        return {"ms": float(np.median(times)), "fraction_of_copy": float(np.median(fractions)),
+                "spread": [min(fractions), max(fractions)]}
+
+    for times, t in finals:
         failures = check_knobs(job, t.knobs())
         tick(1)
         if failures:
             echo(f"  {t.short()}: fails the float64 check ({'; '.join(failures)}): the next finalist instead")
             continue
-        fractions = [case.nbytes / (ms * 1e-3) / copy for ms in times]
-        return {"knobs": t.knobs(), "ms": float(np.median(times)), "fraction_of_copy": float(np.median(fractions)),
-                "spread": [min(fractions), max(fractions)], "dtype": job.dtype, "measured_n": job.n}
+        entry = {"knobs": t.knobs(), **reading(times), "dtype": job.dtype, "measured_n": job.n}
+        if before is not None:
+            entry["incumbent"] = {"knobs": before.knobs(), **reading(times_of[before])}
+        return entry
     return None
 
 
@@ -311,11 +329,19 @@ def open_table(path: Path, gpu) -> tables.Table:
 
 
 def _tune_line(job: Job, record: dict) -> str:
-    """A key's result, its knobs spelled as `cunorm bench --traits` takes them."""
+    """A key's result, its knobs spelled as `cunorm bench --traits` takes them, and what dispatch ran before
+    in the same final rounds (where it was timed there)."""
     knobs = ",".join(f"{k}={int(v)}" for k, v in record["knobs"].items())
     lo, hi = record["spread"]
-    return (f"TUNE {job.label()}: {record['fraction_of_copy']:.3f} [{lo:.3f}, {hi:.3f}] of copy, "
+    line = (f"TUNE {job.label()}: {record['fraction_of_copy']:.3f} [{lo:.3f}, {hi:.3f}] of copy, "
             f"{record['ms']:.4f} ms, {knobs}")
+    before = record.get("incumbent")
+    if before is None:
+        return line
+    if before["knobs"] == record["knobs"]:
+        return line + "; dispatch's pick before: the same"
+    lo, hi = before["spread"]
+    return line + f"; dispatch's pick before: {before['fraction_of_copy']:.3f} [{lo:.3f}, {hi:.3f}]"
 
 
 def run(sizes=SIZES, ops=tuple(OPS), residuals=(False,), dtype_names=("bfloat16",), output=None,
@@ -374,7 +400,7 @@ def run(sizes=SIZES, ops=tuple(OPS), residuals=(False,), dtype_names=("bfloat16"
                 summary["failed"].append(job.label())
                 echo(f"TUNE {job.label()}: no finalist passed the float64 check; nothing saved")
                 continue
-            table.put(job.key, entry["knobs"], **{k: v for k, v in entry.items() if k != "knobs"})
+            table.put(job.key, entry["knobs"], **{k: v for k, v in entry.items() if k not in ("knobs", "incumbent")})
             tables.save(table, path)
             record = {**dataclasses.asdict(job.key), **entry, "table": str(path)}
             summary["tuned"].append(record)

@@ -323,7 +323,8 @@ def test_json_one_object_per_key_on_stdout_progress_on_stderr(gpu):
     path = str(tables.user_path(GPU))
     assert len(lines) == 4 and {r["table"] for r in lines} == {path}
     assert all(set(r) == {"backward", "rms", "residual", "n", "input_bytes", "general", "knobs", "ms",
-                          "fraction_of_copy", "spread", "dtype", "measured_n", "table"} for r in lines)
+                          "fraction_of_copy", "spread", "dtype", "measured_n", "table", "incumbent"} for r in lines)
+    assert all(set(r["incumbent"]) == {"knobs", "ms", "fraction_of_copy", "spread"} for r in lines)  # the literal's
     entries = saved().entries
     for r in lines:
         key = tables.Key(**{k: r[k] for k in ("backward", "rms", "residual", "n", "input_bytes", "general")})
@@ -485,6 +486,28 @@ def test_what_dispatch_runs_today_competes(gpu):
                    "pushed_exchange": False}) in gpu.timed_knobs(key, 1024, "bfloat16")
 
 
+def test_a_new_entry_reports_what_it_replaced_from_the_same_rounds(gpu):
+    """The incumbent's final-round reading rides along in the JSON record and the TUNE line (a re-tune's
+    before and after from one run), and stays out of the table."""
+    key = search_space.Job.of(1024, "bfloat16").key
+    incumbent = dict(warps_m=4, warps_n=1, ctas_per_row=1, bytes_per_ldg=8, stages=4, cache_weights=False,
+                     min_ctas_per_sm=1, smem_accumulators=False, recompute=True, lanes_per_row=32, persistent=True,
+                     merged_moments=False, pushed_exchange=False)
+    table = tables.new_table(GPU)
+    table.put(key, incumbent, ms=1.0, fraction_of_copy=0.5, spread=[0.5, 0.5], dtype="bfloat16", measured_n=1024)
+    tables.save(table)
+    res = run_tune("--sizes", "1024", "--ops", "fwd", "--fresh", "--json")
+    assert res.exit_code == 0, res.output
+    record = json.loads(res.stdout.splitlines()[0])
+    before = record["incumbent"]
+    assert before["knobs"] == incumbent and record["knobs"] != incumbent
+    slow = NBYTES / (fake_ms(incumbent) * 1e-3) / COPY  # the stand-in reads the same every round
+    assert before["fraction_of_copy"] == pytest.approx(slow) and before["spread"] == pytest.approx([slow, slow])
+    assert before["ms"] == pytest.approx(fake_ms(incumbent)) and record["fraction_of_copy"] > slow
+    assert f"; dispatch's pick before: {slow:.3f} [{slow:.3f}, {slow:.3f}]" in res.stderr
+    assert "incumbent" not in saved().entries[key] and saved().entries[key]["knobs"] == record["knobs"]
+
+
 def test_a_slow_first_reading_near_the_fastest_is_taken_again(gpu):
     """A stall during the fastest shape's one screening timing (5% slower: below over a hundred readings) would
     keep it out of the final rounds; the second look near the fastest times it again and it wins."""
@@ -556,8 +579,9 @@ def test_what_dispatch_runs_today_reaches_the_final_rounds_however_it_screened(g
 
     gpu.ms = slow_first
     rounds = 2
-    assert run_tune("--sizes", "1024", "--ops", "fwd", "--fresh", "--rounds", str(rounds)).exit_code == 0
-    assert screened
+    res = run_tune("--sizes", "1024", "--ops", "fwd", "--fresh", "--rounds", str(rounds))
+    assert res.exit_code == 0 and screened
     mine = frozen(screened[0])
     assert collections.Counter(k for o, n, d, k in gpu.timed)[mine] == 1 + rounds  # screened, then every round
     assert frozen(saved().entries[key]["knobs"]) == mine
+    assert "; dispatch's pick before: the same" in res.stdout  # the TUNE lines: stdout without --json

@@ -287,7 +287,8 @@ def measure(job: Job, shapes: list, device_id: int, arch: int, copy: float, roun
     copy), and the fraction's spread [min, max] over the rounds; None when
     no finalist passes. Where the incumbent was timed in the final rounds,
     the entry's "incumbent" holds its knobs and reading from the same rounds
-    (what the new entry gains over it; not for the table)."""
+    (what the new entry gains over it; not for the table), and "timed_as"
+    the barrier twin's knobs where that was timed in its place."""
     case = job.workload()
     ranked = rank(shapes, case, device_id, arch, tick, echo, deadline)
     finals = final_rounds(ranked, case, rounds, tick, deadline, finalists, incumbent)
@@ -307,7 +308,8 @@ def measure(job: Job, shapes: list, device_id: int, arch: int, copy: float, roun
             continue
         entry = {"knobs": t.knobs(), **reading(times), "dtype": job.dtype, "measured_n": job.n}
         if before is not None:
-            entry["incumbent"] = {"knobs": before.knobs(), **reading(times_of[before])}
+            entry["incumbent"] = {"knobs": incumbent.knobs(), **reading(times_of[before]),
+                                  **({} if before == incumbent else {"timed_as": before.knobs()})}
         return entry
     return None
 
@@ -341,7 +343,8 @@ def _tune_line(job: Job, record: dict) -> str:
     if before["knobs"] == record["knobs"]:
         return line + "; dispatch's pick before: the same"
     lo, hi = before["spread"]
-    return line + f"; dispatch's pick before: {before['fraction_of_copy']:.3f} [{lo:.3f}, {hi:.3f}]"
+    stand_in = " (timed as its barrier twin)" if "timed_as" in before else ""
+    return line + f"; dispatch's pick before: {before['fraction_of_copy']:.3f} [{lo:.3f}, {hi:.3f}]{stand_in}"
 
 
 def run(sizes=SIZES, ops=tuple(OPS), residuals=(False,), dtype_names=("bfloat16",), output=None,

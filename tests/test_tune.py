@@ -508,6 +508,54 @@ def test_a_new_entry_reports_what_it_replaced_from_the_same_rounds(gpu):
     assert "incumbent" not in saved().entries[key] and saved().entries[key]["knobs"] == record["knobs"]
 
 
+def measured_with(job, shapes: list, incumbent, rounds: int = 4) -> dict:
+    """tune.measure's entry for `job` with dispatch's pick `incumbent` among `shapes`, as a run adds it."""
+    shapes = shapes + [t for t in (incumbent,) if t not in shapes]
+    return tune.measure(job, shapes, 0, 90, COPY, rounds, lambda _: None, print, incumbent=incumbent)
+
+
+def test_the_incumbents_reading_is_its_final_rounds(gpu):
+    """Its screening reading (far slower) is not in it: median ms, median fraction and [min, max] of the final
+    rounds alone (4 rounds: the median fraction is not the median ms's fraction)."""
+    job = search_space.Job.of(1024, "bfloat16", True)
+    shapes = search_space.candidates(1024, "bfloat16", True)
+    mine = shapes[-1]
+    readings = iter([50.0, 2.0, 2.4, 2.2, 3.0])  # the screening, then one a round
+    gpu.ms = lambda knobs: next(readings) if knobs == mine.knobs() else fake_ms(knobs)
+    entry = measured_with(job, shapes, mine)
+    fraction = lambda ms: NBYTES / (ms * 1e-3) / COPY  # noqa: E731
+    median = (fraction(2.2) + fraction(2.4)) / 2
+    assert entry["knobs"] != mine.knobs() and entry["incumbent"] == {
+        "knobs": mine.knobs(), "ms": pytest.approx(2.3), "fraction_of_copy": pytest.approx(median),
+        "spread": pytest.approx([fraction(3.0), fraction(2.0)])}
+    line = tune._tune_line(job, entry)
+    assert line.endswith(f"; dispatch's pick before: {median:.3f} [{fraction(3.0):.3f}, {fraction(2.0):.3f}]")
+
+
+def test_a_pushed_incumbent_is_reported_as_itself_and_as_its_twin_only_where_that_stood_in(gpu):
+    """Its barrier twin among the finalists too, the pushed pick's own reading is reported; where the pushed pick
+    spills and its twin is timed in its place, the pick's knobs with the twin's (timed_as) and the line says so;
+    an incumbent that never compiled has no reading."""
+    job = search_space.Job.of(65536, "bfloat16", True, True)
+    pushed = search_space.with_pushed_exchange(incumbent(65536, "rms-bwd"))
+    twin = pushed.replace(pushed_exchange=False)
+    others = search_space.candidates(65536, "bfloat16", True, rms=True)[:5]
+    assert pushed.pushed_exchange and twin not in others
+    gpu.ms = lambda knobs: {frozen(pushed.knobs()): 0.5, frozen(twin.knobs()): 0.6}.get(frozen(knobs), fake_ms(knobs))
+    entry = measured_with(job, others + [twin], pushed)
+    assert entry["knobs"] == pushed.knobs() and entry["incumbent"]["knobs"] == pushed.knobs()
+    assert "timed_as" not in entry["incumbent"] and entry["incumbent"]["ms"] == pytest.approx(0.5)
+    assert tune._tune_line(job, entry).endswith("; dispatch's pick before: the same")
+    gpu.spills = _Pushed()
+    entry = measured_with(job, list(others), pushed)
+    assert entry["knobs"] == twin.knobs() and entry["incumbent"]["knobs"] == pushed.knobs()
+    assert entry["incumbent"]["timed_as"] == twin.knobs() and entry["incumbent"]["ms"] == pytest.approx(0.6)
+    assert tune._tune_line(job, entry).endswith(" (timed as its barrier twin)")
+    gpu.spills = {frozen(twin.knobs())}  # a barrier pick that spills: never timed
+    entry = measured_with(job, list(others), twin)
+    assert "incumbent" not in entry and "dispatch's pick" not in tune._tune_line(job, entry)
+
+
 def test_a_slow_first_reading_near_the_fastest_is_taken_again(gpu):
     """A stall during the fastest shape's one screening timing (5% slower: below over a hundred readings) would
     keep it out of the final rounds; the second look near the fastest times it again and it wins."""

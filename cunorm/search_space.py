@@ -195,6 +195,21 @@ def refinements(shape: Traits, arch: int = 90) -> list:
     return _with_pushed_exchanges(_with_merged_moments(out))
 
 
+def register_sum_variants(t: Traits, arch: int = 90) -> list:
+    """A backward with shared-memory column sums (the fastest few of a key's extras) again with the sums of
+    its first quarter, half and three quarters of load steps in registers (`register_sum_steps`): a load and
+    a store of shared memory fewer a quantity, row and step, for registers (LayerNorm's two sums took the
+    shared-memory pipe to 82% on an H100 at 8192, PERFORMANCE.md version 67)."""
+    if not (t.backward and t.smem_accumulators and t.register_sum_steps == 0):
+        return []
+    out = []
+    for steps in sorted({t.ldgs // 4, t.ldgs // 2, 3 * t.ldgs // 4} - {0}):  # (0: t itself)
+        v = t.replace(register_sum_steps=steps)
+        v.check_arch(arch)  # (the shared memory is t's: legal where t is)
+        out.append(v)
+    return out
+
+
 def _with_merged_moments(refined: list) -> list:
     """The refinements, and those of LayerNorm forwards of cluster rows again with merged moments."""
     out = list(refined)

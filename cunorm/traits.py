@@ -37,11 +37,12 @@ CTAS_PER_ROW_CHOICES = (1, 2, 4, 8, 16)
 MIN_ARCH = 80  # cp.async and the bf16/f16x2 conversion instructions
 # The independent knobs: launch shape and research levers (what tuning varies and `traits=` may force).
 KNOBS = ("warps_m", "warps_n", "ctas_per_row", "bytes_per_ldg", "stages", "cache_weights", "min_ctas_per_sm",
-         "smem_accumulators", "recompute", "lanes_per_row", "persistent", "merged_moments", "pushed_exchange")
+         "smem_accumulators", "recompute", "lanes_per_row", "persistent", "merged_moments", "pushed_exchange",
+         "register_sum_steps")
 # What a knob left out takes when others are given (`traits=` mappings, the tuner).
 KNOB_DEFAULTS = dict(warps_m=1, warps_n=1, ctas_per_row=1, bytes_per_ldg=16, stages=2, cache_weights=True,
                      min_ctas_per_sm=1, smem_accumulators=False, recompute=True, lanes_per_row=THREADS_PER_WARP,
-                     persistent=True, merged_moments=False, pushed_exchange=False)
+                     persistent=True, merged_moments=False, pushed_exchange=False, register_sum_steps=0)
 LATE_DGAMMA_MAX_ELTS = 16  # see Traits.late_dgamma
 REFINE_MIN_OFFSET = 4.0  # REFINE_MEAN refines rows whose mean lies this many std or more from zero
 LANES_PER_ROW = (4, 8, 16, 32)  # lanes of a warp sharing a row: below 32, a warp holds several (short) rows
@@ -90,6 +91,9 @@ class Traits:
       this many CTAs fit on an SM (the compiler recomputes instead of holding).
     smem_accumulators: (backward) keep the per-column dgamma/dbeta sums in shared
       memory instead of registers (frees two registers per element).
+    register_sum_steps: (backward, smem_accumulators) the column sums of the first
+      this many load steps (0 .. ldgs - 1) stay in registers: fewer shared-memory
+      loads and stores a row, more registers; one row a CTA, less shared memory too.
     recompute: (backward) recompute xhat and dy * gamma after the row reduction
       (fewer registers) instead of holding them (fewer instructions).
     lanes_per_row: lanes of a warp sharing a row: 32, or 16, 8 or 4 to put
@@ -172,6 +176,7 @@ class Traits:
     persistent: bool | None = None
     merged_moments: bool | None = None
     pushed_exchange: bool | None = None
+    register_sum_steps: int | None = None
     has_weight: bool = True
     has_bias: bool = True
     rms: bool = False
@@ -370,18 +375,25 @@ class Traits:
         return self.rows_per_cta * self.ldgs * self.threads_per_row
 
     @property
+    def sum_slot_steps(self) -> int:
+        """(backward) Load steps whose column sums have shared-memory slots (SLOT_STEPS): all, but those of
+        register_sum_steps where a CTA holds one row (their sums go straight to the partial row)."""
+        in_registers = self.register_sum_steps if self.smem_accumulators and self.rows_per_cta == 1 else 0
+        return self.ldgs - in_registers
+
+    @property
     def smem_bytes(self) -> int:
         """Dynamic shared memory: staged rows ([STAGES][ROWS_PER_CTA][LDGS][THREADS_PER_ROW]
         vectors of every staged row tensor), weights kept in shared-memory slots
         ([ROWS_PER_CTA][LDGS][THREADS_PER_ROW] vectors), and, in the backward, the
-        column-sum slots (2 x [ROWS_PER_CTA][LDGS][THREADS_PER_ROW] compute_t vectors) when
-        the sums live there or ROWS_PER_CTA rows must be folded (4 x with a second weight)."""
+        column-sum slots (2 x [ROWS_PER_CTA][sum_slot_steps][THREADS_PER_ROW] compute_t vectors)
+        when the sums live there or ROWS_PER_CTA rows must be folded (4 x with a second weight)."""
         staged = sum(self._pipe_bytes(d) for d in self.staged_dtypes)
         second = [self.weight1_dtype] if self.parallel else []  # the second weight (and bias), after the first
         if self.backward:
             folds = self.smem_accumulators or self.rows_per_cta > 1
-            sums = (self.column_sums * self.stage_slots * self.elts_per_ldg * dtypes.itemsize(self.compute_dtype)
-                    if folds else 0)
+            sums = (self.column_sums * self.rows_per_cta * self.sum_slot_steps * self.threads_per_row
+                    * self.elts_per_ldg * dtypes.itemsize(self.compute_dtype) if folds else 0)
             weights = self._weight_slot_bytes(self.weight_dtype) if self.has_weight else 0
             if self.from_output and self.has_bias:  # the bias is read to recover xhat
                 weights += self._weight_slot_bytes(self.bias_dtype)
@@ -533,6 +545,9 @@ class Traits:
         rule(self.smem_footprint <= SMEM_LIMIT[90], f"{self._smem_words()} exceed 227 KB")
         rule(self.backward or not self.smem_accumulators, "smem_accumulators is a backward knob")
         rule(self.backward or self.recompute, "recompute is a backward knob")
+        rule(isinstance(self.register_sum_steps, int) and self.register_sum_steps >= 0
+             and (self.register_sum_steps == 0 or (self.smem_accumulators and self.register_sum_steps < self.ldgs)),
+             f"register_sum_steps must be 0, or with smem_accumulators 1 .. ldgs - 1 ({self.ldgs - 1})")
         rule(not self.merged_moments or (not self.backward and not self.rms and self.ctas_per_row > 1),
              "merged_moments is a knob of LayerNorm forwards of cluster rows (ctas_per_row > 1)")
         rule(not self.pushed_exchange or self.ctas_per_row > 1, "pushed_exchange is a knob of cluster rows "
@@ -584,7 +599,8 @@ class Traits:
                 + ("" if self.recompute else " RECOMPUTE=0")
                 + ("" if self.lanes_per_row == THREADS_PER_WARP else f" LANES_PER_ROW={self.lanes_per_row}")
                 + ("" if self.persistent else " PERSISTENT=0") + (" MERGED_MOMENTS=1" if self.merged_moments else "")
-                + (" PUSHED_EXCHANGE=1" if self.pushed_exchange else ""))
+                + (" PUSHED_EXCHANGE=1" if self.pushed_exchange else "")
+                + (f" REGISTER_SUM_STEPS={self.register_sum_steps}" if self.register_sum_steps else ""))
 
     def knobs(self) -> dict:
         return {k: getattr(self, k) for k in KNOBS}
@@ -630,6 +646,7 @@ class Traits:
             "PERSISTENT": "true" if self.persistent else "false",
             "SMEM_ACCUMULATORS": "true" if self.smem_accumulators else "false",
             "RECOMPUTE": "true" if self.recompute else "false",
+            "REGISTER_SUM_STEPS": self.register_sum_steps,
             "FROM_OUTPUT": int(self.from_output),
             "QUANT": QUANT_MODES.index(self.quant),
             "AMAX": int(self.amax),

@@ -7,9 +7,11 @@ residual, hidden size, input element bytes, general rows) is measured in
 three steps:
 1. rank: every launch shape (`search_space.candidates`) and what dispatch runs for the
    call today, then the extras on the KEEP fastest shapes (`search_space.refinements`),
-   each compiled (kernels with local memory, i.e. spills, are dropped; a
-   cluster row's pushed exchange that spills is timed with the barrier
-   one instead) and timed once; those within SECOND_LOOK of the fastest
+   then the KEEP fastest backwards with shared-memory column sums with some of
+   them in registers (`search_space.register_sum_variants`), each compiled
+   (kernels with local memory, i.e. spills, are dropped; a cluster row's
+   pushed exchange that spills is timed with the barrier one instead) and
+   timed once; those within SECOND_LOOK of the fastest
    are timed again after their pass and keep their faster reading (a stall
    slows a reading, nothing speeds one up; two H200 runs of RMSNorm
    backward 32768 picked shapes reading 0.879 and 0.815, version 62);
@@ -35,7 +37,8 @@ from pathlib import Path
 import numpy as np
 
 from . import dtypes, tables
-from .search_space import OPS, SIZES, Job, candidates, extra_combinations, plan, refinements, with_pushed_exchange
+from .search_space import (OPS, SIZES, Job, candidates, extra_combinations, plan, refinements, register_sum_variants,
+                           with_pushed_exchange)
 from .traits import Traits
 
 REPEAT = 6  # timed batches per measurement (bench.median_ms)
@@ -147,13 +150,17 @@ def _second_look(timed: list, case, echo, deadline=None, fastest: float | None =
 
 
 def rank(shapes, case, device_id: int, arch: int, tick, echo, deadline=None, keep: int = KEEP) -> list:
-    """[(ms, traits)] fastest first: every shape, then the extras on the `keep` fastest; each traits timed
-    once, or twice within SECOND_LOOK of the fastest (`_second_look`)."""
+    """[(ms, traits)] fastest first: every shape, then the extras on the `keep` fastest, then the `keep`
+    fastest with shared-memory column sums with some in registers (`register_sum_variants`); each traits
+    timed once, or twice within SECOND_LOOK of the fastest of its pass (`_second_look`)."""
     ranked = _time_all(shapes, case, device_id, tick, echo, deadline)
-    extras = [t for _, shape in ranked[:keep] for t in refinements(shape, arch)]
-    timed = _time_all(extras, case, device_id, tick, echo, deadline, skip={t for _, t in ranked},
-                      fastest=ranked[0][0] if ranked else None)
-    return sorted(ranked + timed, key=lambda p: p[0])
+    for more in (lambda: [t for _, shape in ranked[:keep] for t in refinements(shape, arch)],
+                 lambda: [v for _, t in [p for p in ranked if p[1].smem_accumulators][:keep]
+                          for v in register_sum_variants(t, arch)]):
+        timed = _time_all(more(), case, device_id, tick, echo, deadline, skip={t for _, t in ranked},
+                          fastest=ranked[0][0] if ranked else None)
+        ranked = sorted(ranked + timed, key=lambda p: p[0])
+    return ranked
 
 
 def _steps(shapes: list, backward: bool, keep: int, finalists: int, rounds: int) -> int:
@@ -161,7 +168,9 @@ def _steps(shapes: list, backward: bool, keep: int, finalists: int, rounds: int)
     finalists' (the bar is filled at the key's end; cluster rows' extras are also tried with the other
     exchange, not counted here)."""
     incumbent = 1 if finalists else 0  # the ranking step alone (`tune`) has no final rounds
-    return len(shapes) + keep * len(list(extra_combinations(backward))) + (finalists + incumbent) * (rounds + 1)
+    register_sums = keep * 3 if backward else 0  # register_sum_variants: up to 3 a shape
+    return (len(shapes) + keep * len(list(extra_combinations(backward))) + register_sums
+            + (finalists + incumbent) * (rounds + 1))
 
 
 def current_gpu() -> tuple:

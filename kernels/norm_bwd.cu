@@ -10,7 +10,8 @@
 //   dgamma = sum_rows(dy * xhat),  dbeta = sum_rows(dy)
 // The grid is persistent (one wave, rows staged as in norm_fwd.cu): each CTA
 // walks its rows, keeps its column sums (in registers, or in shared memory
-// with SMEM_ACCUMULATORS), and writes one partial row. No sum is atomic (the
+// with SMEM_ACCUMULATORS, the first REGISTER_SUM_STEPS load steps' still in
+// registers), and writes one partial row. No sum is atomic (the
 // atomics, GRID_FINALIZE's ticket, only count CTAs through a barrier), and
 // every sum runs in a fixed order, so the results are bitwise reproducible.
 #include "cunorm_common.cuh"
@@ -18,6 +19,12 @@
 static_assert(PERSISTENT, "the backward's CTAs each sum their rows' column partials: a persistent grid");
 
 constexpr bool SMEM_ACCUMULATORS = ${SMEM_ACCUMULATORS};
+// With SMEM_ACCUMULATORS, the column sums of the first REGISTER_SUM_STEPS load steps stay in registers: each
+// step moved there saves a shared-memory load and store a quantity a row, for its registers, and (one row a
+// CTA: nothing to fold) its slots.
+constexpr int REGISTER_SUM_STEPS = ${REGISTER_SUM_STEPS};
+static_assert(REGISTER_SUM_STEPS >= 0 && REGISTER_SUM_STEPS < LDGS && (SMEM_ACCUMULATORS || REGISTER_SUM_STEPS == 0),
+              "REGISTER_SUM_STEPS: 0 .. LDGS - 1, with SMEM_ACCUMULATORS");
 constexpr bool RECOMPUTE = ${RECOMPUTE};  // recompute xhat and g after the reduction instead of holding them
 // The memory-efficient backward: `x` holds the forward's output y, and xhat = (y - beta) / g (g = gamma or
 // 1 + gamma; beta only with HAS_BIAS), so the forward's input need not be kept. Inexact where g is near 0.
@@ -56,10 +63,13 @@ static_assert(!PARALLEL || !PER_HEAD, "gamma1: not with per-head weights");
 static_assert(!DX1 || DROPOUT, "dx1 is written under dropout only");
 using AccVec = Vec<compute_t, ELTS_PER_LDG>;
 // Column-sum slots of a CTA in shared memory: [COLUMN_SUMS (dgamma, dbeta[, dgamma1, dbeta1])][ROWS_PER_CTA]
-// [LDGS][THREADS_PER_ROW] vectors. Used by the accumulators themselves, or (in registers) to fold ROWS_PER_CTA
-// rows into one.
+// [SLOT_STEPS][THREADS_PER_ROW] vectors. Used by the accumulators themselves, or (in registers) to fold
+// ROWS_PER_CTA rows into one. One row a CTA, the REGISTER_SUM_STEPS steps' sums go from registers straight to
+// the partial row: slots from load step SLOT_OFFSET on.
 constexpr int COLUMN_SUMS = PARALLEL ? 4 : 2;
-constexpr int ACC_SLOTS = ROWS_PER_CTA * LDGS * THREADS_PER_ROW;
+constexpr int SLOT_OFFSET = SMEM_ACCUMULATORS && ROWS_PER_CTA == 1 ? REGISTER_SUM_STEPS : 0;
+constexpr int SLOT_STEPS = LDGS - SLOT_OFFSET;
+constexpr int ACC_SLOTS = ROWS_PER_CTA * SLOT_STEPS * THREADS_PER_ROW;
 constexpr int ACC_BYTES = (SMEM_ACCUMULATORS || ROWS_PER_CTA > 1) ? COLUMN_SUMS * ACC_SLOTS * int(sizeof(AccVec)) : 0;
 // Dynamic shared memory: [column-sum slots][staged x][staged dy][staged dresidual][gamma slots][beta slots]
 // [staged dy1][gamma1 slots].
@@ -84,14 +94,15 @@ constexpr bool LATE_DGAMMA = ${LATE_DGAMMA};
 static_assert(!LATE_DGAMMA || (!RMS && !FROM_OUTPUT), "LATE_DGAMMA: LayerNorm's xhat from x");
 static_assert(!REFINE_MEAN || LATE_DGAMMA, "REFINE_MEAN's dgamma needs the row's delta");
 
-// This thread's column sums for one quantity.
-template <bool IN_SMEM>
+// This thread's column sums for one quantity: those of the first REG_STEPS load steps in registers (LDGS:
+// all), the others' in shared memory.
+template <int REG_STEPS>
 struct ColumnSums {
-  AccVec reg[IN_SMEM ? 1 : LDGS];
-  AccVec* slots;  // this thread's first slot in shared memory (stride THREADS_PER_ROW)
+  AccVec reg[REG_STEPS > 0 ? REG_STEPS : 1];
+  AccVec* slots;  // this thread's slot of load step SLOT_OFFSET in shared memory (stride THREADS_PER_ROW)
 
   __device__ __forceinline__ ColumnSums(AccVec* smem, const Coords& at)
-      : slots(smem + (at.warp_m * LDGS) * THREADS_PER_ROW + at.warp_n * LANES_PER_ROW + at.lane) {
+      : slots(smem + (at.warp_m * SLOT_STEPS) * THREADS_PER_ROW + at.warp_n * LANES_PER_ROW + at.lane) {
 #pragma unroll
     for (int it = 0; it < LDGS; ++it) {
       AccVec z;
@@ -99,25 +110,26 @@ struct ColumnSums {
       put(it, z);
     }
   }
+  // (`it` is a constant in the unrolled loops that call these: the branch folds away.)
   __device__ __forceinline__ AccVec get(int it) const {
-    if constexpr (IN_SMEM) return slots[it * THREADS_PER_ROW];
-    else return reg[it];
+    if (it < REG_STEPS) return reg[it];
+    return slots[(it - SLOT_OFFSET) * THREADS_PER_ROW];
   }
   __device__ __forceinline__ void put(int it, const AccVec& v) {
-    if constexpr (IN_SMEM) slots[it * THREADS_PER_ROW] = v;
-    else reg[it] = v;
+    if (it < REG_STEPS) reg[it] = v;
+    else slots[(it - SLOT_OFFSET) * THREADS_PER_ROW] = v;
   }
-  // Registers to their shared-memory slots (before a fold).
+  // Registers to their shared-memory slots (before a fold of ROWS_PER_CTA rows: every step has a slot).
   __device__ __forceinline__ void spill_to_slots() {
-    if constexpr (!IN_SMEM) {
+    static_assert(SLOT_OFFSET == 0, "a fold of several rows needs every step's slots");
 #pragma unroll
-      for (int it = 0; it < LDGS; ++it) slots[it * THREADS_PER_ROW] = reg[it];
-    }
+    for (int it = 0; it < REG_STEPS; ++it) slots[it * THREADS_PER_ROW] = reg[it];
   }
-  // This thread's sums straight to the partial row (ROWS_PER_CTA == 1, in registers).
-  __device__ __forceinline__ void store(compute_t* part, const Coords& at) const {
+  // This thread's sums of the first `steps` load steps straight to the partial row (ROWS_PER_CTA == 1).
+  __device__ __forceinline__ void store(compute_t* part, const Coords& at, int steps = LDGS) const {
 #pragma unroll
     for (int it = 0; it < LDGS; ++it) {
+      if (it >= steps) break;
       if (!at.in_row(it)) continue;
       if (ALIGNED_ROWS) {
         get(it).store(part, at.vec(it));
@@ -135,17 +147,19 @@ struct ColumnSums {
 // slots are in shared memory, and hoisted loads would spill. Aligned rows
 // share one frame: whole vectors. Shifted rows put column j of CTA row m at
 // element j + shift_m of the frame: element by element; with one row a CTA
-// (a cluster's CTAs) only this CTA's slots, otherwise every column.
+// (a cluster's CTAs) only this CTA's slots (from load step SLOT_OFFSET on),
+// otherwise every column.
 __device__ __forceinline__ void fold_slots(const AccVec* slots, compute_t* part, const Coords& at, const void* x,
                                            row_stride_t ldx) {
   if constexpr (ALIGNED_ROWS || ROWS_PER_CTA == 1) {
-    for (int s = threadIdx.x; s < LDGS * THREADS_PER_ROW; s += THREADS_PER_CTA) {
-      const int vec = at.cta_rank * THREADS_PER_ROW + s % THREADS_PER_ROW + s / THREADS_PER_ROW * VEC_COLS_PER_LDG;
+    for (int s = threadIdx.x; s < SLOT_STEPS * THREADS_PER_ROW; s += THREADS_PER_CTA) {
+      const int step = s / THREADS_PER_ROW + SLOT_OFFSET;
+      const int vec = at.cta_rank * THREADS_PER_ROW + s % THREADS_PER_ROW + step * VEC_COLS_PER_LDG;
       if (vec * ELTS_PER_LDG >= at.shift + COLS) continue;
       AccVec sum = slots[s];
 #pragma unroll
       for (int m = 1; m < ROWS_PER_CTA; ++m) {
-        const AccVec v = slots[m * LDGS * THREADS_PER_ROW + s];
+        const AccVec v = slots[m * SLOT_STEPS * THREADS_PER_ROW + s];
 #pragma unroll
         for (int e = 0; e < ELTS_PER_LDG; ++e) sum.add(e, v.get(e));
       }
@@ -325,9 +339,10 @@ norm_bwd(const output_t* dy, const input_t* x, const residual_t* dresidual,
   const Coords at(x, ldx);
   CN_ROW_REDUCER(SUMS, reducer);
 
-  ColumnSums<SMEM_ACCUMULATORS> dgamma_acc(acc_smem, at), dbeta_acc(acc_smem + ACC_SLOTS, at);
+  constexpr int SUM_REG_STEPS = SMEM_ACCUMULATORS ? REGISTER_SUM_STEPS : LDGS;
+  ColumnSums<SUM_REG_STEPS> dgamma_acc(acc_smem, at), dbeta_acc(acc_smem + ACC_SLOTS, at);
   // PARALLEL's (registers, unused and optimized away, otherwise: their slots would lie past ACC_BYTES).
-  ColumnSums<SMEM_ACCUMULATORS && PARALLEL> dgamma1_acc(acc_smem + 2 * ACC_SLOTS, at),
+  ColumnSums<PARALLEL ? SUM_REG_STEPS : LDGS> dgamma1_acc(acc_smem + 2 * ACC_SLOTS, at),
       dbeta1_acc(acc_smem + 3 * ACC_SLOTS, at);
   // Rows past the end (and columns past the row) arrive as zeros: g = 0
   // there, so they add nothing to the row sums or the column sums. (REFINE_MEAN: x holds the mean in the
@@ -531,11 +546,18 @@ norm_bwd(const output_t* dy, const input_t* x, const residual_t* dresidual,
     compute_t* bpart = dbeta_part + at.group * COLS;
     compute_t* g1part = dgamma1_part + at.group * COLS;  // PARALLEL
     compute_t* b1part = dbeta1_part + at.group * COLS;
-    if constexpr (ROWS_PER_CTA == 1 && !SMEM_ACCUMULATORS) {
-      if (HAS_WEIGHT) dgamma_acc.store(gpart, at);
-      if (HAS_BIAS) dbeta_acc.store(bpart, at);
-      if (PARALLEL) dgamma1_acc.store(g1part, at);
-      if (HAS_BIAS1) dbeta1_acc.store(b1part, at);
+    if constexpr (ROWS_PER_CTA == 1) {  // registers' sums straight to the partial row, then the slots'
+      if (HAS_WEIGHT) dgamma_acc.store(gpart, at, SUM_REG_STEPS);
+      if (HAS_BIAS) dbeta_acc.store(bpart, at, SUM_REG_STEPS);
+      if (PARALLEL) dgamma1_acc.store(g1part, at, SUM_REG_STEPS);
+      if (HAS_BIAS1) dbeta1_acc.store(b1part, at, SUM_REG_STEPS);
+      if constexpr (SMEM_ACCUMULATORS) {
+        __syncthreads();
+        if (HAS_WEIGHT) fold_slots(acc_smem, gpart, at, x, ldx);
+        if (HAS_BIAS) fold_slots(acc_smem + ACC_SLOTS, bpart, at, x, ldx);
+        if (PARALLEL) fold_slots(acc_smem + 2 * ACC_SLOTS, g1part, at, x, ldx);
+        if (HAS_BIAS1) fold_slots(acc_smem + 3 * ACC_SLOTS, b1part, at, x, ldx);
+      }
     } else {
       dgamma_acc.spill_to_slots();
       dbeta_acc.spill_to_slots();

@@ -470,6 +470,28 @@ def test_a_key_without_candidates_says_why_and_times_nothing(gpu):
     assert "float64" not in res.output and not gpu.timed and not tables.user_path(GPU).exists()
 
 
+def test_backwards_with_shared_memory_sums_try_some_in_registers(gpu):
+    """After the extras, the KEEP fastest backwards with shared-memory column sums are timed again with a
+    quarter, half and three quarters of their load steps' sums in registers, and one of those can win."""
+    def ms(knobs):
+        return fake_ms(knobs) - 0.001 * knobs["smem_accumulators"] - 0.0002 * knobs["register_sum_steps"]
+
+    gpu.ms = ms
+    assert run_tune("--sizes", "4096", "--ops", "bwd", "--fresh").exit_code == 0
+    key = search_space.Job.of(4096, "bfloat16", backward=True).key
+    timed = [dict(k) for k in gpu.timed_knobs(key, 4096, "bfloat16")]
+    with_steps = [k for k in timed if k["register_sum_steps"]]
+    parents = {frozen({**k, "register_sum_steps": 0}) for k in with_steps}
+    in_smem = sorted((k for k in timed if k["smem_accumulators"] and not k["register_sum_steps"]), key=ms)
+    assert parents == {frozen(k) for k in in_smem[:tune.KEEP]}
+    assert sorted(k["register_sum_steps"] for k in with_steps) == sorted(
+        v.register_sum_steps for p in parents
+        for v in search_space.register_sum_variants(dispatch.from_knobs(dict(p), **search_space.Job.of(
+            4096, "bfloat16", backward=True).call_fields())))
+    entry = saved().knobs(key)
+    assert entry["smem_accumulators"] and entry["register_sum_steps"] == max(k["register_sum_steps"] for k in with_steps)
+
+
 def test_what_dispatch_runs_today_competes(gpu):
     """The incumbent (here a user-table entry: a slow launch shape with extras only the fastest shapes try)
     is timed beside the candidates, so a new entry is never one that loses to what it replaces."""
@@ -480,10 +502,10 @@ def test_what_dispatch_runs_today_competes(gpu):
     table.put(key, incumbent, ms=1.0, fraction_of_copy=0.5, spread=[0.5, 0.5], dtype="bfloat16", measured_n=1024)
     tables.save(table)
     assert run_tune("--sizes", "1024", "--ops", "fwd", "--fresh").exit_code == 0
-    # A table entry written before a knob existed (lanes_per_row, persistent, merged_moments, pushed_exchange
-    # here) is timed with that knob's default.
+    # A table entry written before a knob existed (lanes_per_row, persistent, merged_moments, pushed_exchange,
+    # register_sum_steps here) is timed with that knob's default.
     assert frozen({**incumbent, "lanes_per_row": 32, "persistent": True, "merged_moments": False,
-                   "pushed_exchange": False}) in gpu.timed_knobs(key, 1024, "bfloat16")
+                   "pushed_exchange": False, "register_sum_steps": 0}) in gpu.timed_knobs(key, 1024, "bfloat16")
 
 
 def test_a_new_entry_reports_what_it_replaced_from_the_same_rounds(gpu):
@@ -492,7 +514,7 @@ def test_a_new_entry_reports_what_it_replaced_from_the_same_rounds(gpu):
     key = search_space.Job.of(1024, "bfloat16").key
     incumbent = dict(warps_m=4, warps_n=1, ctas_per_row=1, bytes_per_ldg=8, stages=4, cache_weights=False,
                      min_ctas_per_sm=1, smem_accumulators=False, recompute=True, lanes_per_row=32, persistent=True,
-                     merged_moments=False, pushed_exchange=False)
+                     merged_moments=False, pushed_exchange=False, register_sum_steps=0)
     table = tables.new_table(GPU)
     table.put(key, incumbent, ms=1.0, fraction_of_copy=0.5, spread=[0.5, 0.5], dtype="bfloat16", measured_n=1024)
     tables.save(table)
@@ -633,3 +655,4 @@ def test_what_dispatch_runs_today_reaches_the_final_rounds_however_it_screened(g
     assert collections.Counter(k for o, n, d, k in gpu.timed)[mine] == 1 + rounds  # screened, then every round
     assert frozen(saved().entries[key]["knobs"]) == mine
     assert "; dispatch's pick before: the same" in res.stdout  # the TUNE lines: stdout without --json
+

@@ -288,6 +288,16 @@ def check_knobs(job: Job, knobs: dict, seed: int = 0, asarray=None) -> list:
     return failures
 
 
+def reading(times: list, nbytes: int, copy_bandwidth: float) -> dict:
+    """Final rounds' `times` (ms per call moving `nbytes`) as a table entry
+    reads them: median ms, median fraction of `copy_bandwidth` (bytes/s) and
+    the fraction's spread [min, max]. The median fraction is taken over the
+    rounds' fractions, not from the median ms (they differ for an even count)."""
+    fractions = [nbytes / (ms * 1e-3) / copy_bandwidth for ms in times]
+    return {"ms": float(np.median(times)), "fraction_of_copy": float(np.median(fractions)),
+            "spread": [min(fractions), max(fractions)]}
+
+
 def measure(job: Job, shapes: list, device_id: int, arch: int, copy: float, rounds: int, tick, echo,
             deadline=None, finalists: int = FINALISTS, incumbent: Traits | None = None) -> dict | None:
     """A key's entry: the knobs of the finalist (`incumbent`, what dispatch
@@ -303,21 +313,15 @@ def measure(job: Job, shapes: list, device_id: int, arch: int, copy: float, roun
     finals = final_rounds(ranked, case, rounds, tick, deadline, finalists, incumbent)
     times_of = {t: times for times, t in finals}
     before = next((t for t in _timed_as(incumbent) if t in times_of), None)
-
-    def reading(times: list) -> dict:
-        fractions = [case.nbytes / (ms * 1e-3) / copy for ms in times]
-        return {"ms": float(np.median(times)), "fraction_of_copy": float(np.median(fractions)),
-                "spread": [min(fractions), max(fractions)]}
-
     for times, t in finals:
         failures = check_knobs(job, t.knobs())
         tick(1)
         if failures:
             echo(f"  {t.short()}: fails the float64 check ({'; '.join(failures)}): the next finalist instead")
             continue
-        entry = {"knobs": t.knobs(), **reading(times), "dtype": job.dtype, "measured_n": job.n}
+        entry = {"knobs": t.knobs(), **reading(times, case.nbytes, copy), "dtype": job.dtype, "measured_n": job.n}
         if before is not None:
-            entry["incumbent"] = {"knobs": incumbent.knobs(), **reading(times_of[before]),
+            entry["incumbent"] = {"knobs": incumbent.knobs(), **reading(times_of[before], case.nbytes, copy),
                                   **({} if before == incumbent else {"timed_as": before.knobs()})}
         return entry
     return None

@@ -16,8 +16,6 @@ import json
 import sys
 from pathlib import Path
 
-import numpy as np
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this tree's cunorm, not an installed one
 
 from cunorm import bench, dispatch, search_space, tables, tune  # noqa: E402
@@ -51,8 +49,8 @@ def main(argv=None) -> int:
             timed = dict((t, times) for times, t in tune.final_rounds([(0, mine), (0, other)], case, a.rounds,
                                                                       lambda _: None, finalists=2))
             for name, t in (("table", mine), (origin, other)):
-                f = [case.nbytes / (ms * 1e-3) / copy for ms in timed[t]]
-                row[name] = [float(np.median(f)), min(f), max(f)]
+                side = tune.reading(timed[t], case.nbytes, copy)  # the numbers a tune entry holds
+                row[name] = [side["fraction_of_copy"], *side["spread"]]
             (mine_med, mine_lo, mine_hi), (other_med, other_lo, other_hi) = row["table"], row[origin]
             row["verdict"] = ("table faster" if mine_lo > other_hi else f"{origin} faster" if other_lo > mine_hi
                               else "within noise")

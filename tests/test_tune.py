@@ -536,6 +536,17 @@ def measured_with(job, shapes: list, incumbent, rounds: int = 4) -> dict:
     return tune.measure(job, shapes, 0, 90, COPY, rounds, lambda _: None, print, incumbent=incumbent)
 
 
+@pytest.mark.parametrize("times, ms, fraction, spread", [
+    ([1.0, 4.0, 2.0], 2.0, 0.25, [0.125, 0.5]),  # the middle one, unsorted: means 2.33 ms, 0.29
+    ([1.0, 4.0, 2.0, 10.0], 3.0, 0.1875, [0.05, 0.5]),  # the middle two's mean: means 4.25 ms, 0.23
+])
+def test_a_reading_is_the_median_ms_median_fraction_and_fraction_spread(times, ms, fraction, spread):
+    """NBYTES at COPY bytes/s is 0.5 ms: a round's fraction is 0.5 / its ms. For an even count the median
+    fraction (0.1875) is not the median ms's fraction (0.5 / 3.0)."""
+    assert tune.reading(times, NBYTES, COPY) == {
+        "ms": pytest.approx(ms), "fraction_of_copy": pytest.approx(fraction), "spread": pytest.approx(spread)}
+
+
 def test_the_incumbents_reading_is_its_final_rounds(gpu):
     """Its screening reading (far slower) is not in it: median ms, median fraction and [min, max] of the final
     rounds alone (4 rounds: the median fraction is not the median ms's fraction)."""
@@ -656,3 +667,32 @@ def test_what_dispatch_runs_today_reaches_the_final_rounds_however_it_screened(g
     assert frozen(saved().entries[key]["knobs"]) == mine
     assert "; dispatch's pick before: the same" in res.stdout  # the TUNE lines: stdout without --json
 
+
+def test_table_ab_rows_are_the_median_and_spread_of_each_sides_rounds(gpu, tmp_path):
+    """scripts/table_ab.py on the stand-in: each side's row is [median, min, max] of its rounds' fractions of
+    copy (5 distinct rounds: neither a mean nor a swapped spread passes)."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("table_ab", Path(__file__).parent.parent / "scripts" / "table_ab.py")
+    table_ab = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(table_ab)
+    table_path, rows_path = tmp_path / "table.json", tmp_path / "rows.json"
+    assert run_tune("--sizes", "1024", "--ops", "fwd", "--output", str(table_path)).exit_code == 0
+    [entry] = json.loads(table_path.read_text())["entries"]
+    factors = iter([1.0, 1.3, 0.9, 1.1, 1.6, 1.2, 0.8, 1.05, 1.4, 1.25])  # the 10 timings' noise, interleaved
+    times = collections.defaultdict(list)
+
+    def noisy(knobs):
+        times[frozen(knobs)].append(fake_ms(knobs) * next(factors))
+        return times[frozen(knobs)][-1]
+
+    gpu.ms = noisy
+    assert table_ab.main([str(table_path), "--rounds", "5", "--json", str(rows_path)]) == 0
+    [row] = json.loads(rows_path.read_text())
+    assert row["verdict"] != "same knobs" and len(times) == 2
+    table_times = times.pop(frozen(entry["knobs"]))
+    [other_times] = times.values()
+    for name, ms in (("table", table_times), (row["other"], other_times)):
+        fractions = sorted(NBYTES / (m * 1e-3) / COPY for m in ms)
+        assert row[name] == pytest.approx([fractions[2], fractions[0], fractions[4]]), name

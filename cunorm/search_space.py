@@ -176,6 +176,7 @@ def refinements(shape: Traits, arch: int = 90) -> list:
     """Phase 1, on a fast shape: the extras (stages, register cap, weight caching, shared-memory sums); an
     unstaged forward's: its register caps, with weights held or re-read; a LayerNorm forward of cluster rows
     each of them with merged moments too; every refinement of cluster rows with the other exchange too."""
+    shape = shape.replace(register_sum_steps=0)  # (an incumbent's: its extras include sums in registers)
     if not shape.persistent:
         unstaged = _unstaged(shape, UNSTAGED_CAPS, arch, caches=(False, True))
         return _with_pushed_exchanges(_with_merged_moments(unstaged))
@@ -195,19 +196,20 @@ def refinements(shape: Traits, arch: int = 90) -> list:
     return _with_pushed_exchanges(_with_merged_moments(out))
 
 
-def register_sum_variants(t: Traits, arch: int = 90) -> list:
+REGISTER_SUM_SHARES = (0.25, 0.5, 0.75)  # of a row's load steps, tried with their sums in registers (and 1 step)
+
+
+def register_sum_variants(t: Traits) -> list:
     """A backward with shared-memory column sums (the fastest few of a key's extras) again with the sums of
-    its first quarter, half and three quarters of load steps in registers (`register_sum_steps`): a load and
-    a store of shared memory fewer a quantity, row and step, for registers (LayerNorm's two sums took the
-    shared-memory pipe to 82% on an H100 at 8192, PERFORMANCE.md version 67)."""
+    its first step, and of its first quarter, half and three quarters of load steps, in registers
+    (`register_sum_steps`): a load and a store of shared memory fewer a quantity, row and step, for registers
+    (LayerNorm's two sums took the shared-memory pipe to 82% on an H100 at 8192, PERFORMANCE.md version 67; on
+    an H200 the tuner took one step at four keys, version 72). Legal wherever `t` is: the steps leave shared
+    memory, they take none."""
     if not (t.backward and t.smem_accumulators and t.register_sum_steps == 0):
         return []
-    out = []
-    for steps in sorted({t.ldgs // 4, t.ldgs // 2, 3 * t.ldgs // 4} - {0}):  # (0: t itself)
-        v = t.replace(register_sum_steps=steps)
-        v.check_arch(arch)  # (the shared memory is t's: legal where t is)
-        out.append(v)
-    return out
+    steps = {1} | {int(t.ldgs * share) for share in REGISTER_SUM_SHARES}
+    return [t.replace(register_sum_steps=k) for k in sorted(steps) if 0 < k < t.ldgs]
 
 
 def _with_merged_moments(refined: list) -> list:

@@ -545,7 +545,7 @@ class Traits:
         rule(self.smem_footprint <= SMEM_LIMIT[90], f"{self._smem_words()} exceed 227 KB")
         rule(self.backward or not self.smem_accumulators, "smem_accumulators is a backward knob")
         rule(self.backward or self.recompute, "recompute is a backward knob")
-        rule(isinstance(self.register_sum_steps, int) and self.register_sum_steps >= 0
+        rule(type(self.register_sum_steps) is int and self.register_sum_steps >= 0  # (not a bool: it renders as one)
              and (self.register_sum_steps == 0 or (self.smem_accumulators and self.register_sum_steps < self.ldgs)),
              f"register_sum_steps must be 0, or with smem_accumulators 1 .. ldgs - 1 ({self.ldgs - 1})")
         rule(not self.merged_moments or (not self.backward and not self.rms and self.ctas_per_row > 1),

@@ -37,8 +37,8 @@ from pathlib import Path
 import numpy as np
 
 from . import dtypes, tables
-from .search_space import (OPS, SIZES, Job, candidates, extra_combinations, plan, refinements, register_sum_variants,
-                           with_pushed_exchange)
+from .search_space import (OPS, REGISTER_SUM_SHARES, SIZES, Job, candidates, extra_combinations, plan, refinements,
+                           register_sum_variants, with_pushed_exchange)
 from .traits import Traits
 
 REPEAT = 6  # timed batches per measurement (bench.median_ms)
@@ -151,16 +151,19 @@ def _second_look(timed: list, case, echo, deadline=None, fastest: float | None =
 
 def rank(shapes, case, device_id: int, arch: int, tick, echo, deadline=None, keep: int = KEEP) -> list:
     """[(ms, traits)] fastest first: every shape, then the extras on the `keep` fastest, then the `keep`
-    fastest with shared-memory column sums with some in registers (`register_sum_variants`); each traits
-    timed once, or twice within SECOND_LOOK of the fastest of its pass (`_second_look`)."""
+    fastest with shared-memory column sums (as their all-in-shared-memory selves) with some sums in registers
+    (`register_sum_variants`); each traits timed once, or twice within SECOND_LOOK of the fastest so far
+    (`_second_look`)."""
     ranked = _time_all(shapes, case, device_id, tick, echo, deadline)
-    for more in (lambda: [t for _, shape in ranked[:keep] for t in refinements(shape, arch)],
-                 lambda: [v for _, t in [p for p in ranked if p[1].smem_accumulators][:keep]
-                          for v in register_sum_variants(t, arch)]):
-        timed = _time_all(more(), case, device_id, tick, echo, deadline, skip={t for _, t in ranked},
+
+    def add(candidates: list) -> list:
+        timed = _time_all(candidates, case, device_id, tick, echo, deadline, skip={t for _, t in ranked},
                           fastest=ranked[0][0] if ranked else None)
-        ranked = sorted(ranked + timed, key=lambda p: p[0])
-    return ranked
+        return sorted(ranked + timed, key=lambda p: p[0])
+
+    ranked = add([t for _, shape in ranked[:keep] for t in refinements(shape, arch)])
+    in_smem = list(dict.fromkeys(t.replace(register_sum_steps=0) for _, t in ranked if t.smem_accumulators))
+    return add([v for t in in_smem[:keep] for v in register_sum_variants(t)])
 
 
 def _steps(shapes: list, backward: bool, keep: int, finalists: int, rounds: int) -> int:
@@ -168,7 +171,7 @@ def _steps(shapes: list, backward: bool, keep: int, finalists: int, rounds: int)
     finalists' (the bar is filled at the key's end; cluster rows' extras are also tried with the other
     exchange, not counted here)."""
     incumbent = 1 if finalists else 0  # the ranking step alone (`tune`) has no final rounds
-    register_sums = keep * 3 if backward else 0  # register_sum_variants: up to 3 a shape
+    register_sums = keep * (1 + len(REGISTER_SUM_SHARES)) if backward else 0  # register_sum_variants, at most
     return (len(shapes) + keep * len(list(extra_combinations(backward))) + register_sums
             + (finalists + incumbent) * (rounds + 1))
 

@@ -121,7 +121,7 @@ struct ColumnSums {
   }
   // Registers to their shared-memory slots (before a fold of ROWS_PER_CTA rows: every step has a slot).
   __device__ __forceinline__ void spill_to_slots() {
-    static_assert(SLOT_OFFSET == 0, "a fold of several rows needs every step's slots");
+    static_assert(REG_STEPS < 0 || SLOT_OFFSET == 0, "a fold of several rows needs every step's slots");
 #pragma unroll
     for (int it = 0; it < REG_STEPS; ++it) slots[it * THREADS_PER_ROW] = reg[it];
   }
@@ -181,7 +181,7 @@ __device__ __forceinline__ void fold_slots(const AccVec* slots, compute_t* part,
       for (int m = 0; m < ROWS_PER_CTA; ++m) {
         const int u = j + Coords::shift_of(x, ldx, at.group * ROWS_PER_CTA + m);
         const int vec = u / ELTS_PER_LDG;
-        const int slot = (m * LDGS + vec / VEC_COLS_PER_LDG) * THREADS_PER_ROW + vec % VEC_COLS_PER_LDG;
+        const int slot = (m * SLOT_STEPS + vec / VEC_COLS_PER_LDG) * THREADS_PER_ROW + vec % VEC_COLS_PER_LDG;
         sum += elts[slot * ELTS_PER_LDG + u % ELTS_PER_LDG];
       }
       part[j] = sum;
@@ -339,10 +339,11 @@ norm_bwd(const output_t* dy, const input_t* x, const residual_t* dresidual,
   const Coords at(x, ldx);
   CN_ROW_REDUCER(SUMS, reducer);
 
-  constexpr int SUM_REG_STEPS = SMEM_ACCUMULATORS ? REGISTER_SUM_STEPS : LDGS;
-  ColumnSums<SUM_REG_STEPS> dgamma_acc(acc_smem, at), dbeta_acc(acc_smem + ACC_SLOTS, at);
+  // Load steps whose column sums stay in registers: all of them without SMEM_ACCUMULATORS.
+  constexpr int STEPS_IN_REGISTERS = SMEM_ACCUMULATORS ? REGISTER_SUM_STEPS : LDGS;
+  ColumnSums<STEPS_IN_REGISTERS> dgamma_acc(acc_smem, at), dbeta_acc(acc_smem + ACC_SLOTS, at);
   // PARALLEL's (registers, unused and optimized away, otherwise: their slots would lie past ACC_BYTES).
-  ColumnSums<PARALLEL ? SUM_REG_STEPS : LDGS> dgamma1_acc(acc_smem + 2 * ACC_SLOTS, at),
+  ColumnSums<PARALLEL ? STEPS_IN_REGISTERS : LDGS> dgamma1_acc(acc_smem + 2 * ACC_SLOTS, at),
       dbeta1_acc(acc_smem + 3 * ACC_SLOTS, at);
   // Rows past the end (and columns past the row) arrive as zeros: g = 0
   // there, so they add nothing to the row sums or the column sums. (REFINE_MEAN: x holds the mean in the
@@ -547,10 +548,10 @@ norm_bwd(const output_t* dy, const input_t* x, const residual_t* dresidual,
     compute_t* g1part = dgamma1_part + at.group * COLS;  // PARALLEL
     compute_t* b1part = dbeta1_part + at.group * COLS;
     if constexpr (ROWS_PER_CTA == 1) {  // registers' sums straight to the partial row, then the slots'
-      if (HAS_WEIGHT) dgamma_acc.store(gpart, at, SUM_REG_STEPS);
-      if (HAS_BIAS) dbeta_acc.store(bpart, at, SUM_REG_STEPS);
-      if (PARALLEL) dgamma1_acc.store(g1part, at, SUM_REG_STEPS);
-      if (HAS_BIAS1) dbeta1_acc.store(b1part, at, SUM_REG_STEPS);
+      if (HAS_WEIGHT) dgamma_acc.store(gpart, at, STEPS_IN_REGISTERS);
+      if (HAS_BIAS) dbeta_acc.store(bpart, at, STEPS_IN_REGISTERS);
+      if (PARALLEL) dgamma1_acc.store(g1part, at, STEPS_IN_REGISTERS);
+      if (HAS_BIAS1) dbeta1_acc.store(b1part, at, STEPS_IN_REGISTERS);
       if constexpr (SMEM_ACCUMULATORS) {
         __syncthreads();
         if (HAS_WEIGHT) fold_slots(acc_smem, gpart, at, x, ldx);

@@ -79,12 +79,16 @@ def test_flag_variants_compile():
 @pytest.mark.parametrize("arch", [80, 90])
 def test_register_sum_steps_compile_clean(arch):
     """Column sums of some load steps in registers, the rest in shared memory: one row a CTA, folded rows
-    (WARPS_M = 2), general rows, RMSNorm and a second weight, spill-free where registers allow."""
+    (WARPS_M = 2), general rows (folded, and one row a CTA), RMSNorm, a second weight, per-head weights and a
+    cluster row, spill-free where registers allow."""
     base = Traits(hidden_size=4096, input_dtype="bfloat16", backward=True, warps_n=4, bytes_per_ldg=8, stages=1,
                   smem_accumulators=True)  # 8 load steps
     variants = [base, base.replace(warps_m=2), base.replace(hidden_size=4097, aligned_rows=False, warps_m=2),
                 base.replace(rms=True, has_bias=False, stages=2),
-                base.replace(hidden_size=2048, weight1_dtype="bfloat16", bias1_dtype="bfloat16")]
+                base.replace(hidden_size=2048, weight1_dtype="bfloat16", bias1_dtype="bfloat16"),
+                base.replace(per_head=True, cache_weights=False), base.replace(hidden_size=4097, aligned_rows=False)]
+    if arch >= 90:
+        variants.append(base.replace(ctas_per_row=2, pushed_exchange=True))
     for t in variants:
         for steps in (1, t.ldgs // 2, t.ldgs - 1):
             v = t.replace(register_sum_steps=steps)

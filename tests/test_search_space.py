@@ -74,12 +74,13 @@ def test_refinements_are_what_dispatch_runs_for_a_late_dgamma_backward():
     assert all(dispatch._late_dgamma_registers(t) == t for t in extras) and len(set(extras)) == len(extras)
 
 
-@pytest.mark.parametrize("n, warps, steps", [(12288, 8, [3, 6, 9]), (2048, 4, [1, 2, 3]), (3072, 4, [1, 3, 4]),
+@pytest.mark.parametrize("n, warps, steps", [(12288, 8, [1, 3, 6, 9]), (2048, 4, [1, 2, 3]), (3072, 4, [1, 3, 4]),
                                               (1536, 4, [1, 2]), (1024, 4, [1])])
-def test_register_sum_variants_move_a_quarter_half_and_three_quarters_of_the_steps(n, warps, steps):
-    """A backward with shared-memory column sums is offered its first quarter, half and three quarters of load
-    steps' sums in registers (as far as whole steps go); one with its sums in registers, a variant already, or
-    a forward is offered none."""
+def test_register_sum_variants_move_one_step_and_a_quarter_half_and_three_quarters_of_the_steps(n, warps, steps):
+    """A backward with shared-memory column sums is offered its first step's, and its first quarter, half and
+    three quarters of load steps' sums in registers (as far as whole steps go); one with its sums in registers,
+    a variant already, or a forward is offered none. A variant's extras are its all-in-shared-memory self's (an
+    incumbent from the table may hold sums in registers)."""
     from cunorm.traits import Traits
 
     t = Traits(hidden_size=n, input_dtype="bfloat16", backward=True, warps_n=warps, bytes_per_ldg=8, stages=1,
@@ -90,6 +91,8 @@ def test_register_sum_variants_move_a_quarter_half_and_three_quarters_of_the_ste
     assert search_space.register_sum_variants(t.replace(smem_accumulators=False)) == []
     assert search_space.register_sum_variants(variants[0]) == []
     assert search_space.register_sum_variants(Traits(hidden_size=n, input_dtype="bfloat16", warps_n=warps)) == []
+    extras = search_space.refinements(variants[-1])
+    assert extras == search_space.refinements(t) and any(not e.smem_accumulators for e in extras)
 
 
 def test_layer_norm_cluster_forwards_are_refined_with_merged_moments_too():

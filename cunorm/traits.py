@@ -378,8 +378,7 @@ class Traits:
     def sum_slot_steps(self) -> int:
         """(backward) Load steps whose column sums have shared-memory slots (SLOT_STEPS): all, but those of
         register_sum_steps where a CTA holds one row (their sums go straight to the partial row)."""
-        in_registers = self.register_sum_steps if self.smem_accumulators and self.rows_per_cta == 1 else 0
-        return self.ldgs - in_registers
+        return self.ldgs - (self.register_sum_steps if self.rows_per_cta == 1 else 0)  # (0 without smem sums)
 
     @property
     def smem_bytes(self) -> int:

@@ -67,7 +67,7 @@ using AccVec = Vec<compute_t, ELTS_PER_LDG>;
 // ROWS_PER_CTA rows into one. One row a CTA, the REGISTER_SUM_STEPS steps' sums go from registers straight to
 // the partial row: slots from load step SLOT_OFFSET on.
 constexpr int COLUMN_SUMS = PARALLEL ? 4 : 2;
-constexpr int SLOT_OFFSET = SMEM_ACCUMULATORS && ROWS_PER_CTA == 1 ? REGISTER_SUM_STEPS : 0;
+constexpr int SLOT_OFFSET = ROWS_PER_CTA == 1 ? REGISTER_SUM_STEPS : 0;  // (0 without SMEM_ACCUMULATORS)
 constexpr int SLOT_STEPS = LDGS - SLOT_OFFSET;
 constexpr int ACC_SLOTS = ROWS_PER_CTA * SLOT_STEPS * THREADS_PER_ROW;
 constexpr int ACC_BYTES = (SMEM_ACCUMULATORS || ROWS_PER_CTA > 1) ? COLUMN_SUMS * ACC_SLOTS * int(sizeof(AccVec)) : 0;

@@ -16,7 +16,7 @@ three steps:
    slows a reading, nothing speeds one up; two H200 runs of RMSNorm
    backward 32768 picked shapes reading 0.879 and 0.815, version 62);
 2. finals: the FINALISTS fastest re-timed in `rounds` interleaved rounds, so
-   that drift hits them alike, and what dispatch runs today beside them
+   that drift hits them alike, and what runs the call today (`_incumbent`) beside them
    however it screened (one timing can drop it: version 68 of
    docs/PERFORMANCE.md); the best median wins;
 3. check: the winner runs against the float64 reference with its knobs
@@ -54,27 +54,43 @@ class OutOfTime(Exception):
     """The budget ran out while a key was measured: that key is dropped, the finished ones are saved."""
 
 
-def _incumbent(job: Job, arch: int, gpu) -> Traits | None:
-    """What dispatch picks for the job's call on this GPU today (its tables, the literal, the heuristic)."""
-    from .dispatch import choose
+def what_runs(call: dict, arch: int, gpu, device_id: int) -> tuple:
+    """(traits, origin) that run `call` (dispatch's fields) on this device today: dispatch's pick (`gpu`'s tables,
+    the literal, the heuristic), or, where that compiles with spills for the call, what replaces it as on the GPU
+    path (`dispatch.without_spills`, `plan._plan`; general rows often borrow an aligned entry that spills on the
+    general kernel: version 73 of docs/PERFORMANCE.md). A ValueError where no traits are legal for the call."""
+    from .dispatch import choose, without_spills
 
+    pick, origin = choose(arch=arch, gpu=gpu, **call)
     try:
-        return choose(arch=arch, gpu=gpu, **job.call_fields())[0]
+        return without_spills(pick, origin, lambda t: _spills(t, device_id), arch, **call)
+    except Exception:  # a pick that fails to compile or load: timed (or not) as it is
+        return pick, origin
+
+
+def _incumbent(job: Job, arch: int, gpu, device_id: int) -> Traits | None:
+    """What runs the job's call on this GPU today (`what_runs`), or None."""
+    try:
+        return what_runs(job.call_fields(), arch, gpu, device_id)[0]
     except ValueError:
         return None
 
 
-def compiles_clean(traits: Traits, device_id: int) -> bool:
-    """Whether `traits` compile (CuPy caches them) to kernels without local
-    memory: a kernel that spills or keeps a stack frame is never a candidate
-    (dispatch would replace it, `plan._plan`)."""
+def _spills(traits: Traits, device_id: int) -> bool:
+    """Whether `traits`' kernels (compiled and loaded: CuPy caches them) keep local memory: spills or a stack
+    frame. Raises what compiling or loading raises (ClusterNotResident: no SM group here holds the cluster)."""
     from .compiler import kernels_for
 
+    return any(k.local_bytes for k in kernels_for(traits, device_id).values())
+
+
+def compiles_clean(traits: Traits, device_id: int) -> bool:
+    """Whether `traits` compile to kernels without local memory (`_spills`): a kernel that spills or keeps a
+    stack frame is never a candidate (dispatch would replace it, `plan._plan`)."""
     try:
-        kernels = kernels_for(traits, device_id)
+        return not _spills(traits, device_id)
     except Exception:  # fails to compile or load: not a candidate
         return False
-    return not any(k.local_bytes for k in kernels.values())
 
 
 def _check_time(deadline: float | None):
@@ -390,8 +406,8 @@ def run(sizes=SIZES, ops=tuple(OPS), residuals=(False,), dtype_names=("bfloat16"
         print(f"{len(summary['skipped'])} of {len(jobs)} keys already in {path}: skipped (--fresh measures them "
               f"again)", file=out)
     shapes = {j: candidates(j.n, j.dtype, j.key.backward, arch, j.key.rms, j.key.residual, warps_n) for j in todo}
-    incumbents = {j: _incumbent(j, arch, gpu) for j in todo}
-    for j in todo:  # what dispatch picks today competes too, up to the final rounds (where it compiles clean)
+    incumbents = {j: _incumbent(j, arch, gpu, device_id) for j in todo}
+    for j in todo:  # what runs the call today competes too, up to the final rounds (where it compiles clean)
         incumbent = incumbents[j]
         for t in [incumbent, with_pushed_exchange(incumbent)] if incumbent is not None else []:  # and pushed exchanges
             if shapes[j] and t not in shapes[j]:

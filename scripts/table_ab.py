@@ -1,5 +1,6 @@
 """A/B of a tuned table against what dispatch runs without it (the sm_90
-literal in tuned.py, else the heuristic), key by key, on this GPU: each key's
+literal in tuned.py, else the heuristic; where that spills for the call, what
+replaces it: `tune.what_runs`), key by key, on this GPU: each key's
 two kernels timed in the same interleaved rounds (CUDA events around a queue
 of launches, as `cunorm tune` times them), as fractions of one copy's
 bandwidth. `--keep OUT` writes the table with only the entries whose median
@@ -40,7 +41,7 @@ def main(argv=None) -> int:
         job = search_space.Job.of(entry.get("measured_n", key.n), entry["dtype"], key.backward, key.rms, key.residual)
         call = job.call_fields()
         mine = dispatch.from_knobs(entry["knobs"], **call)
-        other, origin = dispatch.choose(arch=arch, gpu=None, **call)
+        other, origin = tune.what_runs(call, arch, None, device_id)  # a pick that spills: what replaces it
         row = {"key": job.label(), "other": origin}
         if mine == other:
             row["verdict"] = "same knobs"

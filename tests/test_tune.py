@@ -170,9 +170,9 @@ def test_a_pushed_shape_that_spills_is_timed_with_the_barrier_exchange(gpu):
 
 
 def incumbent(n: int, op: str):
-    """The traits dispatch picks today for the stand-in's call (`op` a short name), from its tables."""
+    """The traits that run the stand-in's call today (`op` a short name): dispatch's pick from its tables."""
     backward, rms = search_space.OPS[op]
-    return tune._incumbent(search_space.Job.of(n, "bfloat16", backward, rms), 90, GPU)
+    return tune._incumbent(search_space.Job.of(n, "bfloat16", backward, rms), 90, GPU, 0)
 
 
 def screenings(timed: set, shapes: set, ms=fake_ms) -> dict:
@@ -530,6 +530,26 @@ def test_a_new_entry_reports_what_it_replaced_from_the_same_rounds(gpu):
     assert "incumbent" not in saved().entries[key] and saved().entries[key]["knobs"] == record["knobs"]
 
 
+def test_a_pick_that_spills_competes_as_what_replaces_it(gpu):
+    """Where dispatch's pick compiles with spills for the call (general rows borrowing an aligned entry, say),
+    what runs in its place (dispatch.without_spills: here the same shape at half its CTAs an SM) is timed in
+    the finals and reported as the pick before; the pick itself never is."""
+    job = search_space.Job.of(1024, "bfloat16", True)
+    pick = dict(warps_m=4, warps_n=1, ctas_per_row=1, bytes_per_ldg=8, stages=1, cache_weights=False,
+                min_ctas_per_sm=2, smem_accumulators=True, recompute=True, lanes_per_row=32, persistent=True,
+                merged_moments=False, pushed_exchange=False, register_sum_steps=0)
+    table = tables.new_table(GPU)
+    table.put(job.key, pick, ms=1.0, fraction_of_copy=0.5, spread=[0.5, 0.5], dtype="bfloat16", measured_n=1024)
+    tables.save(table)
+    gpu.spills = {frozen(pick)}
+    runs_instead = {**pick, "min_ctas_per_sm": 1}
+    res = run_tune("--sizes", "1024", "--ops", "bwd", "--fresh", "--json")
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout.splitlines()[0])["incumbent"]["knobs"] == runs_instead
+    timed = gpu.timed_knobs(job.key, 1024, "bfloat16")
+    assert frozen(runs_instead) in timed and frozen(pick) not in timed
+
+
 def measured_with(job, shapes: list, incumbent, rounds: int = 4) -> dict:
     """tune.measure's entry for `job` with dispatch's pick `incumbent` among `shapes`, as a run adds it."""
     shapes = shapes + [t for t in (incumbent,) if t not in shapes]
@@ -668,15 +688,21 @@ def test_what_dispatch_runs_today_reaches_the_final_rounds_however_it_screened(g
     assert "; dispatch's pick before: the same" in res.stdout  # the TUNE lines: stdout without --json
 
 
-def test_table_ab_rows_are_the_median_and_spread_of_each_sides_rounds(gpu, tmp_path):
-    """scripts/table_ab.py on the stand-in: each side's row is [median, min, max] of its rounds' fractions of
-    copy (5 distinct rounds: neither a mean nor a swapped spread passes)."""
+def table_ab_script():
+    """scripts/table_ab.py as a module."""
     import importlib.util
     from pathlib import Path
 
     spec = importlib.util.spec_from_file_location("table_ab", Path(__file__).parent.parent / "scripts" / "table_ab.py")
     table_ab = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(table_ab)
+    return table_ab
+
+
+def test_table_ab_rows_are_the_median_and_spread_of_each_sides_rounds(gpu, tmp_path):
+    """scripts/table_ab.py on the stand-in: each side's row is [median, min, max] of its rounds' fractions of
+    copy (5 distinct rounds: neither a mean nor a swapped spread passes)."""
+    table_ab = table_ab_script()
     table_path, rows_path = tmp_path / "table.json", tmp_path / "rows.json"
     assert run_tune("--sizes", "1024", "--ops", "fwd", "--output", str(table_path)).exit_code == 0
     [entry] = json.loads(table_path.read_text())["entries"]
@@ -696,3 +722,21 @@ def test_table_ab_rows_are_the_median_and_spread_of_each_sides_rounds(gpu, tmp_p
     for name, ms in (("table", table_times), (row["other"], other_times)):
         fractions = sorted(NBYTES / (m * 1e-3) / COPY for m in ms)
         assert row[name] == pytest.approx([fractions[2], fractions[0], fractions[4]]), name
+
+
+def test_table_ab_times_what_replaces_a_pick_that_spills(gpu, tmp_path):
+    """Where dispatch's pick without the table spills for the call, the table's entry is timed against what runs
+    in its place (tune.what_runs), not against the spilling pick forced."""
+    from cunorm import dispatch
+
+    table_path, rows_path = tmp_path / "table.json", tmp_path / "rows.json"
+    assert run_tune("--sizes", "1024", "--ops", "bwd", "--output", str(table_path)).exit_code == 0
+    job = search_space.Job.of(1024, "bfloat16", True)
+    pick, origin = dispatch.choose(arch=90, gpu=None, **job.call_fields())
+    gpu.spills, gpu.timed = {frozen(pick.knobs())}, []
+    assert table_ab_script().main([str(table_path), "--rounds", "3", "--json", str(rows_path)]) == 0
+    [row] = json.loads(rows_path.read_text())
+    runs_instead = tune.what_runs(job.call_fields(), 90, None, 0)
+    assert runs_instead[0] != pick and row["other"] == runs_instead[1] != origin
+    timed = gpu.timed_knobs(job.key, 1024, "bfloat16")
+    assert frozen(runs_instead[0].knobs()) in timed and frozen(pick.knobs()) not in timed

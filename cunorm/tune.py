@@ -59,24 +59,25 @@ def what_runs(call: dict, arch: int, gpu, device_id: int) -> tuple:
     the literal, the heuristic), or, where that compiles with spills for the call, what replaces it as on the GPU
     path (`dispatch.without_spills`, `plan._plan`; general rows often borrow an aligned entry that spills on the
     general kernel: version 73 of docs/PERFORMANCE.md). A ValueError where no traits are legal for the call."""
+    from .compiler import CompileError
     from .dispatch import choose, without_spills
 
     pick, origin = choose(arch=arch, gpu=gpu, **call)
     try:
-        return without_spills(pick, origin, lambda t: _spills(t, device_id), arch, **call)
-    except Exception:  # a pick that fails to compile or load: timed (or not) as it is
+        return without_spills(pick, origin, lambda t: _keeps_local_memory(t, device_id), arch, **call)
+    except CompileError:  # the call fails today: its pick stands (`_compiled` drops it: nothing is timed for it)
         return pick, origin
 
 
-def _incumbent(job: Job, arch: int, gpu, device_id: int) -> Traits | None:
-    """What runs the job's call on this GPU today (`what_runs`), or None."""
+def _incumbent(job: Job, arch: int, gpu, device_id: int) -> tuple:
+    """(traits, origin) that run the job's call on this GPU today (`what_runs`), or (None, None)."""
     try:
-        return what_runs(job.call_fields(), arch, gpu, device_id)[0]
+        return what_runs(job.call_fields(), arch, gpu, device_id)
     except ValueError:
-        return None
+        return None, None
 
 
-def _spills(traits: Traits, device_id: int) -> bool:
+def _keeps_local_memory(traits: Traits, device_id: int) -> bool:
     """Whether `traits`' kernels (compiled and loaded: CuPy caches them) keep local memory: spills or a stack
     frame. Raises what compiling or loading raises (ClusterNotResident: no SM group here holds the cluster)."""
     from .compiler import kernels_for
@@ -85,10 +86,10 @@ def _spills(traits: Traits, device_id: int) -> bool:
 
 
 def compiles_clean(traits: Traits, device_id: int) -> bool:
-    """Whether `traits` compile to kernels without local memory (`_spills`): a kernel that spills or keeps a
-    stack frame is never a candidate (dispatch would replace it, `plan._plan`)."""
+    """Whether `traits` compile to kernels without local memory (`_keeps_local_memory`): a kernel that spills or
+    keeps a stack frame is never a candidate (dispatch would replace it, `plan._plan`)."""
     try:
-        return not _spills(traits, device_id)
+        return not _keeps_local_memory(traits, device_id)
     except Exception:  # fails to compile or load: not a candidate
         return False
 
@@ -319,8 +320,8 @@ def reading(times: list, nbytes: int, copy_bandwidth: float) -> dict:
 
 def measure(job: Job, shapes: list, device_id: int, arch: int, copy: float, rounds: int, tick, echo,
             deadline=None, finalists: int = FINALISTS, incumbent: Traits | None = None) -> dict | None:
-    """A key's entry: the knobs of the finalist (`incumbent`, what dispatch
-    picks today, among them wherever it was timed) with the best median that
+    """A key's entry: the knobs of the finalist (`incumbent`, what runs the
+    call today, among them wherever it was timed) with the best median that
     passes the float64 check, with its median ms and fraction of `copy` (bytes/s of a
     copy), and the fraction's spread [min, max] over the rounds; None when
     no finalist passes. Where the incumbent was timed in the final rounds,
@@ -363,8 +364,9 @@ def open_table(path: Path, gpu) -> tables.Table:
 
 
 def _tune_line(job: Job, record: dict) -> str:
-    """A key's result, its knobs spelled as `cunorm bench --traits` takes them, and what dispatch ran before
-    in the same final rounds (where it was timed there)."""
+    """A key's result, its knobs spelled as `cunorm bench --traits` takes them, and what ran the call before
+    in the same final rounds (where it was timed there), with its origin (a run's records name it: dispatch's
+    table, or what replaced a pick that spills)."""
     knobs = ",".join(f"{k}={int(v)}" for k, v in record["knobs"].items())
     lo, hi = record["spread"]
     line = (f"TUNE {job.label()}: {record['fraction_of_copy']:.3f} [{lo:.3f}, {hi:.3f}] of copy, "
@@ -376,7 +378,8 @@ def _tune_line(job: Job, record: dict) -> str:
         return line + "; dispatch's pick before: the same"
     lo, hi = before["spread"]
     stand_in = " (timed as its barrier twin)" if "timed_as" in before else ""
-    return line + f"; dispatch's pick before: {before['fraction_of_copy']:.3f} [{lo:.3f}, {hi:.3f}]{stand_in}"
+    origin = f" ({before['origin']})" if "origin" in before else ""
+    return line + f"; dispatch's pick before: {before['fraction_of_copy']:.3f} [{lo:.3f}, {hi:.3f}]{stand_in}{origin}"
 
 
 def run(sizes=SIZES, ops=tuple(OPS), residuals=(False,), dtype_names=("bfloat16",), output=None,
@@ -406,9 +409,12 @@ def run(sizes=SIZES, ops=tuple(OPS), residuals=(False,), dtype_names=("bfloat16"
         print(f"{len(summary['skipped'])} of {len(jobs)} keys already in {path}: skipped (--fresh measures them "
               f"again)", file=out)
     shapes = {j: candidates(j.n, j.dtype, j.key.backward, arch, j.key.rms, j.key.residual, warps_n) for j in todo}
-    incumbents = {j: _incumbent(j, arch, gpu, device_id) for j in todo}
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=16) as pool:  # each compiles dispatch's pick (and, where it spills, more)
+        incumbents = dict(zip(todo, pool.map(lambda j: _incumbent(j, arch, gpu, device_id), todo)))
     for j in todo:  # what runs the call today competes too, up to the final rounds (where it compiles clean)
-        incumbent = incumbents[j]
+        incumbent = incumbents[j][0]
         for t in [incumbent, with_pushed_exchange(incumbent)] if incumbent is not None else []:  # and pushed exchanges
             if shapes[j] and t not in shapes[j]:
                 shapes[j].append(t)
@@ -425,8 +431,9 @@ def run(sizes=SIZES, ops=tuple(OPS), residuals=(False,), dtype_names=("bfloat16"
             end = bar.pos + steps[job]
             try:
                 _check_time(deadline)
+                incumbent, origin = incumbents[job]
                 entry = measure(job, shapes[job], device_id, arch, copy, rounds, bar.update, echo, deadline,
-                                incumbent=incumbents[job])
+                                incumbent=incumbent)
             except OutOfTime:
                 summary["left"] = [j.label() for j in todo[i:]]
                 break
@@ -435,6 +442,8 @@ def run(sizes=SIZES, ops=tuple(OPS), residuals=(False,), dtype_names=("bfloat16"
                 summary["failed"].append(job.label())
                 echo(f"TUNE {job.label()}: no finalist passed the float64 check; nothing saved")
                 continue
+            if "incumbent" in entry:
+                entry["incumbent"]["origin"] = origin  # its table, or what replaced a pick that spills
             table.put(job.key, entry["knobs"], **{k: v for k, v in entry.items() if k not in ("knobs", "incumbent")})
             tables.save(table, path)
             record = {**dataclasses.asdict(job.key), **entry, "table": str(path)}

@@ -41,7 +41,7 @@ def main(argv=None) -> int:
         job = search_space.Job.of(entry.get("measured_n", key.n), entry["dtype"], key.backward, key.rms, key.residual)
         call = job.call_fields()
         mine = dispatch.from_knobs(entry["knobs"], **call)
-        other, origin = tune.what_runs(call, arch, None, device_id)  # a pick that spills: what replaces it
+        other, origin = tune.what_runs(call, arch, gpu=None, device_id=device_id)  # without this GPU's tables
         row = {"key": job.label(), "other": origin}
         if mine == other:
             row["verdict"] = "same knobs"

@@ -170,9 +170,9 @@ def test_a_pushed_shape_that_spills_is_timed_with_the_barrier_exchange(gpu):
 
 
 def incumbent(n: int, op: str):
-    """The traits that run the stand-in's call today (`op` a short name): dispatch's pick from its tables."""
+    """The traits that run the stand-in's call today (`op` a short name; `tune.what_runs`): here dispatch's pick."""
     backward, rms = search_space.OPS[op]
-    return tune._incumbent(search_space.Job.of(n, "bfloat16", backward, rms), 90, GPU, 0)
+    return tune._incumbent(search_space.Job.of(n, "bfloat16", backward, rms), 90, GPU, 0)[0]
 
 
 def screenings(timed: set, shapes: set, ms=fake_ms) -> dict:
@@ -324,7 +324,9 @@ def test_json_one_object_per_key_on_stdout_progress_on_stderr(gpu):
     assert len(lines) == 4 and {r["table"] for r in lines} == {path}
     assert all(set(r) == {"backward", "rms", "residual", "n", "input_bytes", "general", "knobs", "ms",
                           "fraction_of_copy", "spread", "dtype", "measured_n", "table", "incumbent"} for r in lines)
-    assert all(set(r["incumbent"]) == {"knobs", "ms", "fraction_of_copy", "spread"} for r in lines)  # the literal's
+    # what ran before: the sm_90 literal's backwards, the heuristic's forwards
+    assert [(r["backward"], r["incumbent"]["origin"]) for r in lines] == [(False, "heuristic"), (True, "tuned")] * 2
+    assert all(set(r["incumbent"]) == {"knobs", "ms", "fraction_of_copy", "spread", "origin"} for r in lines)
     entries = saved().entries
     for r in lines:
         key = tables.Key(**{k: r[k] for k in ("backward", "rms", "residual", "n", "input_bytes", "general")})
@@ -533,7 +535,7 @@ def test_a_new_entry_reports_what_it_replaced_from_the_same_rounds(gpu):
 def test_a_pick_that_spills_competes_as_what_replaces_it(gpu):
     """Where dispatch's pick compiles with spills for the call (general rows borrowing an aligned entry, say),
     what runs in its place (dispatch.without_spills: here the same shape at half its CTAs an SM) is timed in
-    the finals and reported as the pick before; the pick itself never is."""
+    the final rounds and reported, with its origin, as the pick before; the pick itself is never timed."""
     job = search_space.Job.of(1024, "bfloat16", True)
     pick = dict(warps_m=4, warps_n=1, ctas_per_row=1, bytes_per_ldg=8, stages=1, cache_weights=False,
                 min_ctas_per_sm=2, smem_accumulators=True, recompute=True, lanes_per_row=32, persistent=True,
@@ -545,9 +547,31 @@ def test_a_pick_that_spills_competes_as_what_replaces_it(gpu):
     runs_instead = {**pick, "min_ctas_per_sm": 1}
     res = run_tune("--sizes", "1024", "--ops", "bwd", "--fresh", "--json")
     assert res.exit_code == 0, res.output
-    assert json.loads(res.stdout.splitlines()[0])["incumbent"]["knobs"] == runs_instead
-    timed = gpu.timed_knobs(job.key, 1024, "bfloat16")
-    assert frozen(runs_instead) in timed and frozen(pick) not in timed
+    before = json.loads(res.stdout.splitlines()[0])["incumbent"]
+    assert before["knobs"] == runs_instead and before["origin"].endswith(dispatch.HALF_CTAS)
+    assert f"({before['origin']})" in res.stderr
+    timings = [k for op, m, d, k in gpu.timed if (op, m) == (op_of(job.key), 1024)]
+    assert timings.count(frozen(runs_instead)) >= tune.ROUNDS and frozen(pick) not in timings
+
+
+def test_a_pick_that_does_not_compile_is_not_timed_and_the_key_is_tuned(gpu, monkeypatch):
+    """A pick whose compile fails (the call fails today) stands as it is (`tune.what_runs`): never timed, no
+    reading before, and the key is tuned all the same."""
+    job = search_space.Job.of(1024, "bfloat16", True)
+    broken = incumbent(1024, "bwd")
+    stand_in_kernels = compiler.kernels_for
+
+    def kernels_for(traits, device_id, source=None):
+        if traits == broken:
+            raise CompileError("planted")
+        return stand_in_kernels(traits, device_id, source)
+
+    monkeypatch.setattr(compiler, "kernels_for", kernels_for)
+    assert tune.what_runs(job.call_fields(), 90, GPU, 0)[0] == broken
+    res = run_tune("--sizes", "1024", "--ops", "bwd", "--json")
+    assert res.exit_code == 0, res.output
+    assert "incumbent" not in json.loads(res.stdout.splitlines()[0])
+    assert frozen(broken.knobs()) not in gpu.timed_knobs(job.key, 1024, "bfloat16")
 
 
 def measured_with(job, shapes: list, incumbent, rounds: int = 4) -> dict:
@@ -727,16 +751,14 @@ def test_table_ab_rows_are_the_median_and_spread_of_each_sides_rounds(gpu, tmp_p
 def test_table_ab_times_what_replaces_a_pick_that_spills(gpu, tmp_path):
     """Where dispatch's pick without the table spills for the call, the table's entry is timed against what runs
     in its place (tune.what_runs), not against the spilling pick forced."""
-    from cunorm import dispatch
-
     table_path, rows_path = tmp_path / "table.json", tmp_path / "rows.json"
     assert run_tune("--sizes", "1024", "--ops", "bwd", "--output", str(table_path)).exit_code == 0
-    job = search_space.Job.of(1024, "bfloat16", True)
-    pick, origin = dispatch.choose(arch=90, gpu=None, **job.call_fields())
+    call = search_space.Job.of(1024, "bfloat16", True).call_fields()
+    pick, origin = dispatch.choose(arch=90, gpu=None, **call)
     gpu.spills, gpu.timed = {frozen(pick.knobs())}, []
     assert table_ab_script().main([str(table_path), "--rounds", "3", "--json", str(rows_path)]) == 0
     [row] = json.loads(rows_path.read_text())
-    runs_instead = tune.what_runs(job.call_fields(), 90, None, 0)
-    assert runs_instead[0] != pick and row["other"] == runs_instead[1] != origin
-    timed = gpu.timed_knobs(job.key, 1024, "bfloat16")
-    assert frozen(runs_instead[0].knobs()) in timed and frozen(pick.knobs()) not in timed
+    runs_instead = dispatch.fallback(90, **call)  # the literal's pick is persistent at one CTA an SM: no half
+    assert runs_instead != pick and row["other"] == dispatch.HEURISTIC_FALLBACK != origin
+    timed = gpu.timed_knobs(search_space.Job.of(1024, "bfloat16", True).key, 1024, "bfloat16")
+    assert frozen(runs_instead.knobs()) in timed and frozen(pick.knobs()) not in timed

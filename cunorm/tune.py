@@ -32,6 +32,7 @@ import json
 import os
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -46,6 +47,7 @@ KEEP = 2  # shapes whose extras are tried
 SECOND_LOOK = 0.10  # shapes screened within this fraction of the fastest are timed twice
 FINALISTS = 3
 ROUNDS = 5
+COMPILE_THREADS = 16  # candidates (and dispatch's picks) compiled side by side
 CHECK_ELEMENTS = 2**24  # the float64 check's rows (check.DEFAULT_ROWS) are capped at this many elements
 clock = time.monotonic  # the budget's clock
 
@@ -103,9 +105,7 @@ def _compiled(traits_list, device_id: int, skip=frozenset()) -> list:
     """The candidates that compile clean (compiled in parallel), in order, each once and none of `skip`. A
     cluster row whose pushed exchange spills or fails to compile (NVRTC before 12.1) stands in with the
     barrier exchange, unless that one is there already."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    with ThreadPoolExecutor(max_workers=16) as pool:
+    with ThreadPoolExecutor(max_workers=COMPILE_THREADS) as pool:
         clean = dict(zip(traits_list, pool.map(lambda t: compiles_clean(t, device_id), traits_list)))
         barrier = [t.replace(pushed_exchange=False) for t, ok in clean.items() if not ok and t.pushed_exchange]
         barrier_clean = dict(zip(barrier, pool.map(lambda t: compiles_clean(t, device_id), barrier)))
@@ -409,9 +409,8 @@ def run(sizes=SIZES, ops=tuple(OPS), residuals=(False,), dtype_names=("bfloat16"
         print(f"{len(summary['skipped'])} of {len(jobs)} keys already in {path}: skipped (--fresh measures them "
               f"again)", file=out)
     shapes = {j: candidates(j.n, j.dtype, j.key.backward, arch, j.key.rms, j.key.residual, warps_n) for j in todo}
-    from concurrent.futures import ThreadPoolExecutor
-
-    with ThreadPoolExecutor(max_workers=16) as pool:  # each compiles dispatch's pick (and, where it spills, more)
+    # Each compiles dispatch's pick (and, where that spills, its replacements).
+    with ThreadPoolExecutor(max_workers=COMPILE_THREADS) as pool:
         incumbents = dict(zip(todo, pool.map(lambda j: _incumbent(j, arch, gpu, device_id), todo)))
     for j in todo:  # what runs the call today competes too, up to the final rounds (where it compiles clean)
         incumbent = incumbents[j][0]

@@ -3,7 +3,10 @@
 A case is OP:N[:KNOBS], OP one of fwd, bwd, rms-fwd, rms-bwd; KNOBS a JSON
 object of traits knobs (default: dispatch). bf16 rows, M * N = 2^26 elements.
 Example: bwd:4097 'bwd:4096:{"warps_n": 8, "bytes_per_ldg": 8}'
+--source FILE: an edited copy of kernels/norm_fwd.cu or norm_bwd.cu for every case (the other direction's
+calls then take the shipped file); scripts/ncu_sass.py reads the report's source page.
 """
+import argparse
 import json
 import sys
 
@@ -12,8 +15,22 @@ import numpy as np
 
 import cunorm
 from cunorm import dtypes
+from cunorm.source import defined_kernels
 
-for case in sys.argv[1:]:
+parser = argparse.ArgumentParser()
+parser.add_argument("--source", help="an edited kernels/norm_fwd.cu or norm_bwd.cu")
+parser.add_argument("cases", nargs="+", metavar="CASE")
+args = parser.parse_args()
+edited = open(args.source).read() if args.source else None
+edited_kernels = defined_kernels(edited) if edited else set()
+
+
+def source_for(direction: str):
+    """The edited file for the calls of the direction it defines, else None (the shipped file)."""
+    return edited if f"norm_{direction}" in edited_kernels else None
+
+
+for case in args.cases:
     op, n, *knobs = case.split(":", 2)
     n, knobs = int(n), (json.loads(knobs[0]) if knobs else None)
     m = 2**26 // n
@@ -22,17 +39,18 @@ for case in sys.argv[1:]:
     rms = op.startswith("rms-")
     fwd_knobs = knobs if not op.endswith("bwd") else None
     if rms:
-        y, rstd = cunorm.rms_norm(x, w, return_stats=True, traits=fwd_knobs)
+        y, rstd = cunorm.rms_norm(x, w, return_stats=True, traits=fwd_knobs, source=source_for("fwd"))
         if op.endswith("bwd"):
-            cunorm.rms_norm_backward(y, x, rstd, w, traits=knobs)
+            cunorm.rms_norm_backward(y, x, rstd, w, traits=knobs, source=source_for("bwd"))
     else:
-        y, mean, rstd = cunorm.layer_norm(x, w, w, return_stats=True, traits=fwd_knobs)
+        y, mean, rstd = cunorm.layer_norm(x, w, w, return_stats=True, traits=fwd_knobs, source=source_for("fwd"))
         if op.endswith("bwd"):
-            cunorm.layer_norm_backward(y, x, mean, rstd, w, traits=knobs)
+            cunorm.layer_norm_backward(y, x, mean, rstd, w, traits=knobs, source=source_for("bwd"))
     print(case, cunorm.explain({"fwd": "layer_norm", "bwd": "layer_norm_backward", "rms-fwd": "rms_norm",
                                 "rms-bwd": "rms_norm_backward"}[op],
                                *((x, w) if op.endswith("fwd") else
                                  ((y, x, rstd, w) if rms else (y, x, mean, rstd, w))),
-                               traits=knobs).traits.short(), file=sys.stderr)
+                               traits=knobs, source=source_for("bwd" if op.endswith("bwd") else "fwd")
+                               ).traits.short(), file=sys.stderr)
 cupy.cuda.Device().synchronize()
 print("done", file=sys.stderr)

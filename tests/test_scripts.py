@@ -85,3 +85,34 @@ def test_the_tier_shards_run_big_memory_tests_alone_after_the_others(tmp_path, m
     (tmp_path / "test_t.py").write_text((tmp_path / "test_t.py").read_text().replace(
         "def test_big():", "def test_big():\n    assert False"))
     assert shards.main(["--shards", "2", "--out", "out", "--paths", "."]) != 0
+
+
+def test_the_ncu_source_page_summary_counts_opcodes_stalls_and_excess_per_kernel(tmp_path, capsys):
+    sass = _script("ncu_sass")
+    head = ('"Address","Source","Warp Stall Sampling (All Samples)","Instructions Executed",'
+            '"L2 Theoretical Sectors Global","L2 Theoretical Sectors Global Ideal",'
+            '"L2 Theoretical Sectors Global Excessive","stall_long_sb","stall_wait","stall_wait (Not Issued)"')
+    first = [head,
+             '"0x10","@!P0  LDG.E.U16.CONSTANT R1, desc[UR6][R2.64]","5","1,000","160","40","120","4","1","9"',
+             '"0x20","      STG.E.128 desc[UR6][R4.64], R8","1","1000","16","16","0","0","1","9"',
+             '"0x30","@P1   FADD.FTZ R1, R2, R3","2","3000","0","0","0","0","2","9"',
+             '"0x40","      FADD R1, R2, R3","0","1000","0","0","0","0","0","9"']
+    second = [head, '"0x50","      EXIT","0","7","0","0","0","0","0","0"']
+    text = '"Kernel Name","norm_fwd",\n' + "\n".join(first) + '\n"Kernel Name","norm_bwd",\n' + "\n".join(second)
+    kernels = sass.kernels(text)
+    assert [name for name, _ in kernels] == ["norm_fwd", "norm_bwd"] and len(kernels[0][1]) == 4
+    s = sass.summary(kernels[0][1])
+    assert s["by_opcode"] == {"LDG": 1000, "STG": 1000, "FADD": 4000}  # predicates and modifiers dropped
+    assert s["stall_shares"] == {"long_sb": 0.5, "wait": 0.5}  # the "Not Issued" columns left out
+    assert s["sectors"] == (176, 56, 120)
+    assert [r["Address"] for r in sass.top(kernels[0][1], sass.EXCESS, 5)] == ["0x10"]  # none-excess rows left out
+    path = tmp_path / "rep.csv"
+    path.write_text(text)
+    sass.main([str(path), "--rows", "100,7"])
+    out = capsys.readouterr().out
+    assert "warp instructions executed a row (100 rows)" in out and "FADD                 40" in out
+    assert "total                60" in out and "excessive sectors" in out and "EXIT" in out
+    (tmp_path / "empty.csv").write_text("not a report\n")
+    for argv in ([str(tmp_path / "empty.csv")], [str(path), "--rows", "0"]):
+        with pytest.raises(SystemExit):
+            sass.main(argv)

@@ -15,19 +15,19 @@ import numpy as np
 
 import cunorm
 from cunorm import dtypes
-from cunorm.source import defined_kernels
+from cunorm.bench import served_directions
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--source", help="an edited kernels/norm_fwd.cu or norm_bwd.cu")
 parser.add_argument("cases", nargs="+", metavar="CASE")
 args = parser.parse_args()
 edited = open(args.source).read() if args.source else None
-edited_kernels = defined_kernels(edited) if edited else set()
+served = served_directions(edited) if edited else ()
 
 
 def source_for(direction: str):
     """The edited file for the calls of the direction it defines, else None (the shipped file)."""
-    return edited if f"norm_{direction}" in edited_kernels else None
+    return edited if direction in served else None
 
 
 for case in args.cases:

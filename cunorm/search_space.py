@@ -176,7 +176,8 @@ def refinements(shape: Traits, arch: int = 90) -> list:
     """Phase 1, on a fast shape: the extras (stages, register cap, weight caching, shared-memory sums); an
     unstaged forward's: its register caps, with weights held or re-read; a LayerNorm forward of cluster rows
     each of them with merged moments too; every refinement of cluster rows with the other exchange too."""
-    shape = shape.replace(register_sum_steps=0)  # (an incumbent's: its extras include sums in registers)
+    # (an incumbent's: its extras include sums in registers, or unchecked whole steps: later passes try those)
+    shape = shape.replace(register_sum_steps=0, unchecked_whole_steps=False)
     if not shape.persistent:
         unstaged = _unstaged(shape, UNSTAGED_CAPS, arch, caches=(False, True))
         return _with_pushed_exchanges(_with_merged_moments(unstaged))
@@ -210,6 +211,16 @@ def register_sum_variants(t: Traits) -> list:
         return []
     steps = {1} | {int(t.ldgs * share) for share in REGISTER_SUM_SHARES}
     return [t.replace(register_sum_steps=k) for k in sorted(steps) if 0 < k < t.ldgs]
+
+
+def unchecked_whole_steps_variants(t: Traits) -> list:
+    """`t` again with its whole load steps unchecked (`unchecked_whole_steps`), where it has any and lacks
+    full tiles (general rows; aligned rows of a partial last step): fewer instructions, often more registers.
+    On an H200 it was worth +0.02-0.09 of copy at some general-rows picks and cost as much at others
+    (PERFORMANCE.md version 75), so it is measured per key."""
+    if t.unchecked_whole_steps or t.full_tiles or t.whole_steps == 0:
+        return []
+    return [t.replace(unchecked_whole_steps=True)]
 
 
 def _with_merged_moments(refined: list) -> list:

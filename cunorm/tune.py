@@ -39,7 +39,7 @@ import numpy as np
 
 from . import dtypes, tables
 from .search_space import (OPS, REGISTER_SUM_SHARES, SIZES, Job, candidates, extra_combinations, plan, refinements,
-                           register_sum_variants, with_pushed_exchange)
+                           register_sum_variants, unchecked_whole_steps_variants, with_pushed_exchange)
 from .traits import Traits
 
 REPEAT = 6  # timed batches per measurement (bench.median_ms)
@@ -169,7 +169,8 @@ def _second_look(timed: list, case, echo, deadline=None, fastest: float | None =
 def rank(shapes, case, device_id: int, arch: int, tick, echo, deadline=None, keep: int = KEEP) -> list:
     """[(ms, traits)] fastest first: every shape, then the extras on the `keep` fastest, then the `keep`
     fastest with shared-memory column sums (as their all-in-shared-memory selves) with some sums in registers
-    (`register_sum_variants`); each traits timed once, or twice within SECOND_LOOK of the fastest so far
+    (`register_sum_variants`), then the `keep` fastest with their whole load steps unchecked
+    (`unchecked_whole_steps_variants`: rows without full tiles); each traits timed once, or twice within SECOND_LOOK of the fastest so far
     (`_second_look`)."""
     ranked = _time_all(shapes, case, device_id, tick, echo, deadline)
 
@@ -180,7 +181,8 @@ def rank(shapes, case, device_id: int, arch: int, tick, echo, deadline=None, kee
 
     ranked = add([t for _, shape in ranked[:keep] for t in refinements(shape, arch)])
     in_smem = list(dict.fromkeys(t.replace(register_sum_steps=0) for _, t in ranked if t.smem_accumulators))
-    return add([v for t in in_smem[:keep] for v in register_sum_variants(t)])
+    ranked = add([v for t in in_smem[:keep] for v in register_sum_variants(t)])
+    return add([v for _, t in ranked[:keep] for v in unchecked_whole_steps_variants(t)])
 
 
 def _steps(shapes: list, backward: bool, keep: int, finalists: int, rounds: int) -> int:
@@ -189,7 +191,8 @@ def _steps(shapes: list, backward: bool, keep: int, finalists: int, rounds: int)
     exchange, not counted here)."""
     incumbent = 1 if finalists else 0  # the ranking step alone (`tune`) has no final rounds
     register_sums = keep * (1 + len(REGISTER_SUM_SHARES)) if backward else 0  # register_sum_variants, at most
-    return (len(shapes) + keep * len(list(extra_combinations(backward))) + register_sums
+    unchecked = keep  # unchecked_whole_steps_variants, at most
+    return (len(shapes) + keep * len(list(extra_combinations(backward))) + register_sums + unchecked
             + (finalists + incumbent) * (rounds + 1))
 
 

@@ -95,6 +95,26 @@ def test_register_sum_steps_compile_clean(arch):
             assert compile_only(v, arch).clean, v.short()
 
 
+@pytest.mark.parametrize("arch", [80, 90])
+def test_unchecked_whole_steps_compile_clean(arch):
+    """Whole load steps unchecked (WHOLE_STEPS agreeing with Traits.whole_steps): general rows forward and
+    backward (one row a CTA, folded rows, 16-byte loads, staged, RMSNorm, a residual, fp32), aligned rows of a
+    partial last step, and a cluster row; spill-free at these shapes."""
+    fwd = Traits(hidden_size=4097, input_dtype="bfloat16", warps_n=4, bytes_per_ldg=8, stages=1, aligned_rows=False)
+    bwd = fwd.replace(backward=True, smem_accumulators=True)
+    variants = [fwd, fwd.replace(warps_m=2), fwd.replace(bytes_per_ldg=16, stages=2), fwd.replace(rms=True),
+                fwd.replace(input_dtype="float32", has_residual=True, bytes_per_ldg=16), bwd,
+                bwd.replace(warps_m=2), bwd.replace(rms=True, has_bias=False, register_sum_steps=2),
+                bwd.replace(hidden_size=2304, aligned_rows=True), fwd.replace(hidden_size=2304, aligned_rows=True)]
+    if arch >= 90:
+        variants += [fwd.replace(hidden_size=16385, ctas_per_row=2, pushed_exchange=True),
+                     bwd.replace(hidden_size=16385, ctas_per_row=2, warps_n=8, pushed_exchange=True)]
+    for t in variants:
+        assert 0 < t.whole_steps < t.ldgs, t.short()
+        v = t.replace(unchecked_whole_steps=True)
+        assert compile_only(v, arch).clean, v.short()
+
+
 def test_general_and_flag_sample_compiles():
     """The general kernel (odd sizes, offset views, odd row strides, broadcast weights, in place) and the
     flags (RMSNorm, residual, zero-centered), as `cunorm check` dispatches them: clean up to N = 65537."""

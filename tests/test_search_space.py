@@ -157,3 +157,23 @@ def test_forward_candidates_include_each_shape_unstaged_at_both_screening_caps()
             assert want in unstaged, want.short()
     assert any(t.ctas_per_row > 1 for t in unstaged)
     assert all(t.persistent for t in search_space.candidates(15360, "bfloat16", True, warps_n=(12,)))
+
+
+def test_unchecked_whole_steps_are_offered_to_rows_without_full_tiles_only():
+    """The variant with its whole load steps unchecked: offered to general rows and to aligned rows of a
+    partial last step (with whole steps), the same traits but the knob; not to full tiles, to rows with no
+    whole step, or to a variant already. A variant's extras are its checked self's."""
+    from cunorm.traits import Traits
+
+    general = Traits(hidden_size=4097, input_dtype="bfloat16", warps_n=4, bytes_per_ldg=8, aligned_rows=False)
+    partial = Traits(hidden_size=2304, input_dtype="bfloat16", backward=True, warps_n=4, bytes_per_ldg=8)
+    for t in (general, partial):
+        (v,) = search_space.unchecked_whole_steps_variants(t)
+        assert v == t.replace(unchecked_whole_steps=True) and not t.full_tiles
+        assert search_space.unchecked_whole_steps_variants(v) == []
+        assert search_space.refinements(v) == search_space.refinements(t)
+    full = Traits(hidden_size=4096, input_dtype="bfloat16", warps_n=4, bytes_per_ldg=8)
+    no_whole_step = Traits(hidden_size=384, input_dtype="bfloat16", warps_n=4, bytes_per_ldg=16)
+    assert full.full_tiles and no_whole_step.whole_steps == 0
+    assert search_space.unchecked_whole_steps_variants(full) == []
+    assert search_space.unchecked_whole_steps_variants(no_whole_step) == []

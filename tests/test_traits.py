@@ -43,6 +43,7 @@ def test_derived_quantities_match_the_kernel_formulas():
     (dict(merged_moments=True), "LayerNorm forwards of cluster rows"),
     (dict(merged_moments=True, ctas_per_row=2, rms=True), "LayerNorm forwards of cluster rows"),
     (dict(pushed_exchange=True), "pushed_exchange is a knob of cluster rows"),
+    (dict(unchecked_whole_steps="yes"), "unchecked_whole_steps must be True or False"),
     (dict(hidden_size=0), "positive"),
 ])
 def test_illegal_traits_name_the_rule(changes, rule):
@@ -697,3 +698,23 @@ def test_the_shared_memory_rule_counts_the_static_scratch_too(monkeypatch):
     monkeypatch.setitem(traits_module.SMEM_LIMIT, 80, fits.smem_footprint - 1)
     with pytest.raises(ValueError, match="of static shared memory exceed sm_80"):
         fits.check_arch(80)
+
+
+@pytest.mark.parametrize("changes, whole", [
+    (dict(hidden_size=4096, bytes_per_ldg=16, warps_n=4), 4),  # aligned, full tiles: every step
+    (dict(hidden_size=2304, bytes_per_ldg=8, warps_n=4), 4),  # aligned, 576 vectors in steps of 128: 4 of 5
+    (dict(hidden_size=384, bytes_per_ldg=16, warps_n=4), 0),  # aligned, one partial step
+    (dict(hidden_size=4097, bytes_per_ldg=8, warps_n=4, aligned_rows=False), 8),  # 1025 vectors, steps of 128
+    (dict(hidden_size=4095, bytes_per_ldg=8, warps_n=4, aligned_rows=False), 7),  # 1023 whole: the 8th may not be
+    (dict(hidden_size=8193, bytes_per_ldg=16, warps_n=9, aligned_rows=False), 3),  # 1024 vectors, steps of 288
+])
+def test_whole_steps_count_the_steps_every_vector_of_lies_in_the_row(changes, whole):
+    """`whole_steps` (mirrored by the kernel's WHOLE_STEPS, checked by a static_assert when compiled): the
+    load steps whose every thread's vector lies in the row, for any shift of a general row: those ending by
+    N // E vectors. The rest is at least one step, unless the tiles are full."""
+    t = Traits(input_dtype="bfloat16", **changes)
+    assert t.whole_steps == whole
+    assert (t.whole_steps == t.ldgs) == t.full_tiles
+    vectors = t.vec_cols if t.aligned_rows else t.hidden_size // t.elts_per_ldg  # those inside at any shift
+    assert t.whole_steps * t.vec_cols_per_ldg <= vectors  # every vector of the whole steps lies in the row
+    assert t.full_tiles or (t.whole_steps + 1) * t.vec_cols_per_ldg > vectors  # and the next step's may not

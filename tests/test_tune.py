@@ -494,6 +494,20 @@ def test_backwards_with_shared_memory_sums_try_some_in_registers(gpu):
     assert entry["smem_accumulators"] and entry["register_sum_steps"] == max(k["register_sum_steps"] for k in with_steps)
 
 
+def test_general_rows_try_their_whole_steps_unchecked(gpu):
+    """After the register-sums pass, the KEEP fastest of a general-rows key are timed again with their whole
+    load steps unchecked, and one of those can win (the entry then holds the knob)."""
+    gpu.ms = lambda knobs: fake_ms(knobs) - 0.0002 * knobs["unchecked_whole_steps"]
+    assert run_tune("--sizes", "4097", "--ops", "fwd", "--fresh").exit_code == 0
+    job = search_space.Job.of(4097, "bfloat16")
+    timed = [dict(k) for k in gpu.timed_knobs(job.key, 4097, "bfloat16")]
+    unchecked = [k for k in timed if k["unchecked_whole_steps"]]
+    parents = {frozen({**k, "unchecked_whole_steps": False}) for k in unchecked}
+    checked = sorted((k for k in timed if not k["unchecked_whole_steps"]), key=fake_ms)
+    assert parents == {frozen(k) for k in checked[:tune.KEEP]}
+    assert saved().knobs(job.key) == {**checked[0], "unchecked_whole_steps": True}
+
+
 def test_what_dispatch_runs_today_competes(gpu):
     """The incumbent (here a user-table entry: a slow launch shape with extras only the fastest shapes try)
     is timed beside the candidates, so a new entry is never one that loses to what it replaces."""
@@ -505,9 +519,10 @@ def test_what_dispatch_runs_today_competes(gpu):
     tables.save(table)
     assert run_tune("--sizes", "1024", "--ops", "fwd", "--fresh").exit_code == 0
     # A table entry written before a knob existed (lanes_per_row, persistent, merged_moments, pushed_exchange,
-    # register_sum_steps here) is timed with that knob's default.
+    # register_sum_steps, unchecked_whole_steps here) is timed with that knob's default.
     assert frozen({**incumbent, "lanes_per_row": 32, "persistent": True, "merged_moments": False,
-                   "pushed_exchange": False, "register_sum_steps": 0}) in gpu.timed_knobs(key, 1024, "bfloat16")
+                   "pushed_exchange": False, "register_sum_steps": 0, "unchecked_whole_steps": False}) in gpu.timed_knobs(
+        key, 1024, "bfloat16")
 
 
 def test_a_new_entry_reports_what_it_replaced_from_the_same_rounds(gpu):
@@ -516,7 +531,7 @@ def test_a_new_entry_reports_what_it_replaced_from_the_same_rounds(gpu):
     key = search_space.Job.of(1024, "bfloat16").key
     incumbent = dict(warps_m=4, warps_n=1, ctas_per_row=1, bytes_per_ldg=8, stages=4, cache_weights=False,
                      min_ctas_per_sm=1, smem_accumulators=False, recompute=True, lanes_per_row=32, persistent=True,
-                     merged_moments=False, pushed_exchange=False, register_sum_steps=0)
+                     merged_moments=False, pushed_exchange=False, register_sum_steps=0, unchecked_whole_steps=False)
     table = tables.new_table(GPU)
     table.put(key, incumbent, ms=1.0, fraction_of_copy=0.5, spread=[0.5, 0.5], dtype="bfloat16", measured_n=1024)
     tables.save(table)
@@ -539,7 +554,7 @@ def test_a_pick_that_spills_competes_as_what_replaces_it(gpu):
     job = search_space.Job.of(1024, "bfloat16", True)
     pick = dict(warps_m=4, warps_n=1, ctas_per_row=1, bytes_per_ldg=8, stages=1, cache_weights=False,
                 min_ctas_per_sm=2, smem_accumulators=True, recompute=True, lanes_per_row=32, persistent=True,
-                merged_moments=False, pushed_exchange=False, register_sum_steps=0)
+                merged_moments=False, pushed_exchange=False, register_sum_steps=0, unchecked_whole_steps=False)
     table = tables.new_table(GPU)
     table.put(job.key, pick, ms=1.0, fraction_of_copy=0.5, spread=[0.5, 0.5], dtype="bfloat16", measured_n=1024)
     tables.save(table)

@@ -164,6 +164,13 @@ def cuda_version() -> int:
     return int(cupy.cuda.runtime.runtimeGetVersion())
 
 
+def keeps_local_memory(traits, device_id: int) -> bool:
+    """Whether `traits`' kernels, compiled and loaded on GPU `device_id` (cached: `kernels_for`), keep local
+    memory: spills or a stack frame. Raises what compiling or loading raises (ClusterNotResident: no SM group
+    here holds the cluster)."""
+    return any(k.local_bytes for k in kernels_for(traits, device_id).values())
+
+
 def kernels_for(traits, device_id: int, source: str | None = None) -> dict:
     """{name: Kernel} for `traits` (and an edited kernel file `source`, if
     given) on GPU `device_id`, compiled on first use. Threads asking for the

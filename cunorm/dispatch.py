@@ -212,6 +212,14 @@ def without_spills(pick: Traits, origin: str, spills, arch: int, **call) -> tupl
     return traits, why
 
 
+def what_runs(arch: int, spills, gpu=None, **call) -> tuple:
+    """(traits, origin) that run a call: dispatch's pick (`choose`, with `gpu`'s tables), replaced where it
+    spills (`without_spills`, given `spills(traits)`). The one composition of the two: the GPU path
+    (`plan._plan`, through norm/plans.Family), the tuner's incumbent (`tune.what_runs`) and the checker
+    (`check.case_kernels`) ask it."""
+    return without_spills(*choose(arch=arch, gpu=gpu, **call), spills, arch, **call)
+
+
 def _serves_unstaged(call: dict, measured_layout: bool) -> bool:
     """Whether a measured unstaged entry (a table key's plain call: weights as wide as x, no fp8 scaling, no
     per-head weights) serves `call`: rows of the layout it was measured on (an aligned entry's grid on the

@@ -16,7 +16,7 @@ import dataclasses
 import functools
 from collections.abc import Mapping
 
-from .compiler import device_arch, device_gpu, kernels_for
+from .compiler import device_arch, device_gpu, keeps_local_memory, kernels_for
 from .kinds import KEY_ALIGNMENT, TorchKind, kind_of
 from .source import check_source
 
@@ -84,14 +84,12 @@ def _plan(family, base: tuple, device_id: int, knobs: tuple | None, source: str 
     """Traits and loaded kernels for a call signature on a device, cached so
     that repeated calls skip dispatch and traits checks."""
     arch, gpu = device_arch(device_id), device_gpu(device_id) if knobs is None else None
-    traits = choose_traits(family, base, arch, knobs, gpu)
-    without_spills = getattr(family, "without_spills", None)
-    if knobs is None and source is None and without_spills:
+    what_runs = getattr(family, "what_runs", None)
+    if knobs is None and source is None and what_runs:
         # A pick that spills for this dtype mix on this GPU (a tuned entry, an unstaged forward) is replaced.
-        def spills(t):
-            return any(k.local_bytes for k in kernels_for(t, device_id).values())
-
-        traits = without_spills(traits, spills, arch=arch, gpu=gpu, **dict(base))
+        traits = what_runs(arch, lambda t: keeps_local_memory(t, device_id), gpu=gpu, **dict(base))
+    else:
+        traits = choose_traits(family, base, arch, knobs, gpu)
     return traits, kernels_for(traits, device_id, None if source is None else check_source(traits, source))
 
 
@@ -133,8 +131,8 @@ def _knobs(family, traits, key: tuple, arch: int):
 def resolve(family, traits, base: dict, device_id: int, source: str | None = None):
     """(traits, kernels) for a call. `family` names its `traits_class` (with a
     KNOBS tuple), `choose(arch=..., **base)` and optionally
-    `from_knobs(knobs, **base)` and `without_spills(pick, spills, arch=..., gpu=..., **base)` (what runs
-    where dispatch's pick compiles with spills); `traits` is None (dispatch), a traits object
+    `from_knobs(knobs, **base)` and `what_runs(arch, spills, gpu=..., **base)` (dispatch's pick, or
+    what replaces it where it compiles with spills); `traits` is None (dispatch), a traits object
     (must match the call) or a mapping of knobs; `source` an edited copy of
     the traits' kernel file, compiled in place of the shipped one."""
     key = tuple(sorted(base.items()))

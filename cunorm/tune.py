@@ -59,16 +59,15 @@ class OutOfTime(Exception):
 def what_runs(call: dict, arch: int, gpu, device_id: int) -> tuple:
     """(traits, origin) that run `call` (dispatch's fields) on this device today: dispatch's pick (`gpu`'s tables,
     the literal, the heuristic), or, where that compiles with spills for the call, what replaces it as on the GPU
-    path (`dispatch.without_spills`, `plan._plan`; general rows often borrow an aligned entry that spills on the
+    path (`dispatch.what_runs`, `plan._plan`; general rows often borrow an aligned entry that spills on the
     general kernel: version 73 of docs/PERFORMANCE.md). A ValueError where no traits are legal for the call."""
-    from .compiler import CompileError
-    from .dispatch import choose, without_spills
+    from . import dispatch
+    from .compiler import CompileError, keeps_local_memory
 
-    pick, origin = choose(arch=arch, gpu=gpu, **call)
     try:
-        return without_spills(pick, origin, lambda t: _keeps_local_memory(t, device_id), arch, **call)
+        return dispatch.what_runs(arch, lambda t: keeps_local_memory(t, device_id), gpu, **call)
     except CompileError:  # the call fails today: its pick stands (`_compiled` drops it: nothing is timed for it)
-        return pick, origin
+        return dispatch.choose(arch=arch, gpu=gpu, **call)
 
 
 def _incumbent(job: Job, arch: int, gpu, device_id: int) -> tuple:
@@ -79,19 +78,13 @@ def _incumbent(job: Job, arch: int, gpu, device_id: int) -> tuple:
         return None, None
 
 
-def _keeps_local_memory(traits: Traits, device_id: int) -> bool:
-    """Whether `traits`' kernels (compiled and loaded: CuPy caches them) keep local memory: spills or a stack
-    frame. Raises what compiling or loading raises (ClusterNotResident: no SM group here holds the cluster)."""
-    from .compiler import kernels_for
-
-    return any(k.local_bytes for k in kernels_for(traits, device_id).values())
-
-
 def compiles_clean(traits: Traits, device_id: int) -> bool:
-    """Whether `traits` compile to kernels without local memory (`_keeps_local_memory`): a kernel that spills or
+    """Whether `traits` compile to kernels without local memory (`compiler.keeps_local_memory`): a kernel that spills or
     keeps a stack frame is never a candidate (dispatch would replace it, `plan._plan`)."""
     try:
-        return not _keeps_local_memory(traits, device_id)
+        from .compiler import keeps_local_memory
+
+        return not keeps_local_memory(traits, device_id)
     except Exception:  # fails to compile or load: not a candidate
         return False
 

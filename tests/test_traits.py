@@ -466,7 +466,7 @@ def test_a_spilling_unstaged_pick_falls_back_to_the_staged_heuristic():
 def test_a_spilling_measured_pick_tries_half_its_ctas_an_sm_before_the_heuristic(monkeypatch):
     """General rows borrow knobs measured on aligned rows; where they spill, the same shape at half the CTAs an
     SM (twice the registers a thread) comes first, then the staged heuristic. One function decides
-    (`dispatch.without_spills`), for the checker and for the GPU path (`plan._plan`, run here with its
+    (`dispatch.without_spills`, through `dispatch.what_runs`), for the checker and for the GPU path (`plan._plan`, run here with its
     compiler stubbed: a kernel's local memory as the spill set says)."""
     from types import SimpleNamespace
 
@@ -490,6 +490,7 @@ def test_a_spilling_measured_pick_tries_half_its_ctas_an_sm_before_the_heuristic
     def gpu_runs(spilling):
         monkeypatch.setattr(plan, "kernels_for", lambda t, device_id, source=None:
                             {"k": SimpleNamespace(local_bytes=8 if t in spilling else 0)})
+        monkeypatch.setattr(plan, "keeps_local_memory", lambda t, device_id: t in spilling)
         plan.forget_choices()
         try:
             return plan.resolve(plans.Family, None, call, 0)[0]

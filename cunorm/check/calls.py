@@ -101,7 +101,7 @@ def case_kernels(cases, arch: int, spills=None, gpu=None):
     legal traits there. attention_delta cases count both its aligned and its
     narrowest (offset view) kernels. `spills(traits)`, when given, says
     whether traits compile with spills: a tuned entry or an unstaged forward
-    that does is replaced as the GPU path replaces it (`dispatch.without_spills`,
+    that does is replaced as the GPU path replaces it (`dispatch.what_runs`,
     `plan._plan`). `gpu`
     (cunorm.tables.GPU): the GPU model whose tuned tables the calls consult."""
     from ..attention_delta import heuristic as delta_heuristic
@@ -118,13 +118,13 @@ def case_kernels(cases, arch: int, spills=None, gpu=None):
                     t = dispatch.from_knobs(dict(case.knobs), **call)
                     t.check_arch(arch)
                     found = [(t, dispatch.CALLER)]
-                else:
+                elif spills is None:
                     found = [dispatch.choose(arch=arch, gpu=gpu, **call)]
+                else:
+                    found = [dispatch.what_runs(arch, spills, gpu, **call)]
             except ValueError as e:
                 yield e, "unsupported"
                 continue
-            if spills is not None:
-                found = [dispatch.without_spills(*found[0], spills, arch, **call)]
             traits, origin = found[0]
             if one_launch(traits, case.rows):  # small backwards run the one-launch variant, unless it spills
                 fused = traits.replace(grid_finalize=True)

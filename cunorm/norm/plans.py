@@ -11,7 +11,6 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .. import dispatch, dtypes, layout, plan, scratch
-from ..compiler import ClusterNotResident
 from ..launch import CallPlan, Launch, Output, span
 from ..traits import QUANT_GROUP_COLS, Traits
 from .calls import BACKWARD, BRANCH_ARRAYS, FORWARD, Direction
@@ -33,16 +32,9 @@ class Family:
         return dispatch.from_knobs(knobs, **call)
 
     @staticmethod
-    def without_spills(pick: Traits, spills, arch: int, gpu=None, **call) -> Traits:
-        """What runs a call whose dispatch pick is `pick` (`choose`'s, same arguments), given `spills(traits)`
-        (dispatch.without_spills)."""
-        try:
-            if not spills(pick):  # most calls: nothing to replace, and no second dispatch for the pick's origin
-                return pick
-        except ClusterNotResident:  # dispatch.without_spills replaces it
-            pass
-        origin = dispatch.choose(arch=arch, gpu=gpu, **call)[1]
-        return dispatch.without_spills(pick, origin, spills, arch, **call)[0]
+    def what_runs(arch: int, spills, gpu=None, **call) -> Traits:
+        """What runs a call, given `spills(traits)` (dispatch.what_runs)."""
+        return dispatch.what_runs(arch, spills, gpu, **call)[0]
 
 
 @dataclass

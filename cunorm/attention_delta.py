@@ -127,6 +127,12 @@ class DeltaTraits:
                 "ROWS_PER_CTA": self.rows_per_cta}
 
 
+def max_head_dim(widest_bytes: int) -> int:
+    """The widest head dim a thread group holds, for inputs whose wider element is `widest_bytes`:
+    MAX_HEAD_DIM, half for float64 (two registers an element)."""
+    return MAX_HEAD_DIM // max(1, widest_bytes // 4)
+
+
 def heuristic(head_dim: int, out_dtype: str, grad_dtype: str, max_elts_per_ldg: int = 16) -> DeltaTraits:
     """The widest legal vector (up to 16 bytes of the wider input, within what
     the layout's alignment allows), enough threads per row to cover it in one
@@ -222,7 +228,7 @@ def layout_of(args: dict, copy: bool = True) -> tuple:
     if rows >= 2**32:
         raise ValueError(f"out: {rows} rows; at most 2**32 - 1 are supported")
     widest = max(O.array.itemsize, args["grad_out"].array.itemsize)
-    max_k = MAX_HEAD_DIM // max(1, widest // 4)
+    max_k = max_head_dim(widest)
     if k > max_k:
         raise ValueError(f"out: head dim {k} exceeds {max_k}, the widest row a thread group holds"
                          + (" for float64" if widest == 8 else ""))

@@ -11,7 +11,7 @@ import itertools
 from dataclasses import dataclass
 
 from . import dispatch, dtypes, pairwise
-from .attention_delta import MAX_HEAD_DIM
+from .attention_delta import max_head_dim
 
 DEFAULT_ROWS = (1, 37, 4096)
 HEURISTIC_SAMPLE = (8, 40, 200, 1000, 1160, 4104, 7168)
@@ -428,9 +428,10 @@ def default_cases(sizes=None, rows=DEFAULT_ROWS, dtypes_=dtypes.NAMES, ops=OPS, 
     if "tuned" in sweeps:
         for op in ops:
             if op == "attention_delta":
-                head_dims = tuple(k for k in sizes if k <= MAX_HEAD_DIM) if sizes else DELTA_HEAD_DIMS
+                head_dims = tuple(sizes) if sizes else DELTA_HEAD_DIMS
                 for k, dt, gdt, m in itertools.product(head_dims, dtypes_, dtypes_, rows):
-                    cases.append(Case(op, k, m, dt, gdt))
+                    if k <= max_head_dim(max(dtypes.itemsize(dt), dtypes.itemsize(gdt))):  # what the op takes
+                        cases.append(Case(op, k, m, dt, gdt))
                 continue
             for n, dt, m in itertools.product(ln_sizes, dtypes_, rows):
                 for wdt in dict.fromkeys((dt, "float32")):

@@ -171,3 +171,19 @@ def test_modules_run_and_show_defaults(module):
     assert out.returncode == 0, out.stderr
     if module != "cunorm":
         assert f"Usage: python -m {module} [OPTIONS]" in out.stdout and "[default: " in out.stdout
+
+
+def test_the_checker_asks_attention_delta_only_head_dims_it_takes():
+    """`cunorm check --sizes` names the head dims too: each dtype pair gets those the op takes (half as wide
+    for float64), so every case's kernel is legal (1025 with a float64 input once raised in the checker's
+    compile step, before any case ran)."""
+    from cunorm import check
+    from cunorm.attention_delta import MAX_HEAD_DIM
+
+    cases = check.default_cases((1024, 1025, 2048, 4096), (37,), ops=("attention_delta",), sweeps=("tuned",))
+    pairs = {(c.hidden_size, c.dtype, c.weight_dtype) for c in cases}
+    assert (1025, "float32", "float64") not in pairs and (1024, "float64", "float64") in pairs
+    assert (2048, "bfloat16", "float32") in pairs and (1025, "float16", "float32") in pairs
+    assert all(c.hidden_size <= MAX_HEAD_DIM for c in cases)
+    kernels = list(check.case_kernels(cases, 90))
+    assert kernels and not any(isinstance(t, Exception) for t, _ in kernels)

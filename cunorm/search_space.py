@@ -216,8 +216,8 @@ def register_sum_variants(t: Traits) -> list:
 def unchecked_whole_steps_variants(t: Traits) -> list:
     """`t` again with its whole load steps unchecked (`unchecked_whole_steps`), where it has any and lacks
     full tiles (general rows; aligned rows of a partial last step): fewer instructions, often more registers.
-    On an H200 it was worth +0.02-0.09 of copy at some general-rows picks and cost as much at others
-    (PERFORMANCE.md version 75), so it is measured per key."""
+    On an H200 it was worth +0.007 … +0.094 of copy at 21 of 36 general-rows picks and cost up to 0.12 at others
+    (0.15 at an aligned partial-step backward; PERFORMANCE.md version 75), so it is measured per key."""
     if t.unchecked_whole_steps or t.full_tiles or t.whole_steps == 0:
         return []
     return [t.replace(unchecked_whole_steps=True)]

@@ -111,9 +111,10 @@ class Traits:
       each peer's shared memory (st.async) and waits on its own mbarrier for theirs to land, instead of a
       cluster barrier (whose release first waits for the CTA's outstanding global stores) and loads from
       the peers'. Same sums in the same order: the same bits. Needs PTX ISA 8.1 (NVRTC 12.1+).
-    unchecked_whole_steps: the load steps whose every vector lies in the row (`whole_steps`) skip the
-      column check, which then folds away at compile time: fewer instructions, and loads the compiler may
-      hoist (often more registers). No effect with full tiles. Same arithmetic: the same bits.
+    unchecked_whole_steps: the load steps in which every thread's vector holds elements of the row
+      (`whole_steps`) skip the column check, which then folds away at compile time: fewer instructions, and
+      loads the compiler may hoist (often more registers). No effect with full tiles or without whole steps (the
+      same code, compiled again under another key). Same arithmetic: the same bits.
     has_weight / has_bias: whether gamma / beta are present.
     rms: RMSNorm (no mean) rather than LayerNorm; with has_bias, y = xhat * w + b.
     has_residual: forward: x + residual is normalized and stored; backward:
@@ -350,8 +351,9 @@ class Traits:
 
     @property
     def whole_steps(self) -> int:
-        """Load steps in which every thread's vector lies in the row (all of them with full tiles): aligned,
-        whole steps of vectors; shifted, those ending by N // E whatever the shift."""
+        """Load steps in which every thread's vector holds elements of the row, whatever the shift (all of them
+        with full tiles): aligned, whole steps of vectors; shifted, those ending by N // E vectors (one step short
+        of the exact count where N % E != 0 and ceil(N / E) is a multiple of a step's vectors)."""
         e, per_step = self.elts_per_ldg, self.vec_cols_per_ldg
         return self.vec_cols // per_step if self.aligned_rows else self.hidden_size // e // per_step
 

@@ -79,11 +79,11 @@ def _incumbent(job: Job, arch: int, gpu, device_id: int) -> tuple:
 
 
 def compiles_clean(traits: Traits, device_id: int) -> bool:
-    """Whether `traits` compile to kernels without local memory (`compiler.keeps_local_memory`): a kernel that spills or
-    keeps a stack frame is never a candidate (dispatch would replace it, `plan._plan`)."""
-    try:
-        from .compiler import keeps_local_memory
+    """Whether `traits` compile to kernels without local memory (`compiler.keeps_local_memory`): a kernel that
+    spills or keeps a stack frame is never a candidate (dispatch would replace it, `plan._plan`)."""
+    from .compiler import keeps_local_memory
 
+    try:
         return not keeps_local_memory(traits, device_id)
     except Exception:  # fails to compile or load: not a candidate
         return False
@@ -163,8 +163,8 @@ def rank(shapes, case, device_id: int, arch: int, tick, echo, deadline=None, kee
     """[(ms, traits)] fastest first: every shape, then the extras on the `keep` fastest, then the `keep`
     fastest with shared-memory column sums (as their all-in-shared-memory selves) with some sums in registers
     (`register_sum_variants`), then the `keep` fastest with their whole load steps unchecked
-    (`unchecked_whole_steps_variants`: rows without full tiles); each traits timed once, or twice within SECOND_LOOK of the fastest so far
-    (`_second_look`)."""
+    (`unchecked_whole_steps_variants`: rows without full tiles); each traits timed once, or twice within
+    SECOND_LOOK of the fastest so far (`_second_look`)."""
     ranked = _time_all(shapes, case, device_id, tick, echo, deadline)
 
     def add(candidates: list) -> list:

@@ -187,3 +187,6 @@ def test_the_checker_asks_attention_delta_only_head_dims_it_takes():
     assert all(c.hidden_size <= MAX_HEAD_DIM for c in cases)
     kernels = list(check.case_kernels(cases, 90))
     assert kernels and not any(isinstance(t, Exception) for t, _ in kernels)
+    # A case the op refuses, named directly, is reported unsupported (not raised from the compile step).
+    ((refused, origin),) = check.case_kernels([check.Case("attention_delta", 1025, 37, "float64", "float32")], 90)
+    assert isinstance(refused, ValueError) and origin == "unsupported"

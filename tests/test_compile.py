@@ -96,16 +96,27 @@ def test_register_sum_steps_compile_clean(arch):
 
 
 @pytest.mark.parametrize("arch", [80, 90])
-def test_unchecked_whole_steps_compile_clean(arch):
+def test_unchecked_whole_steps_compile_clean_and_change_the_code(arch):
     """Whole load steps unchecked (WHOLE_STEPS agreeing with Traits.whole_steps): general rows forward and
-    backward (one row a CTA, folded rows, 16-byte loads, staged, RMSNorm, a residual, fp32), aligned rows of a
-    partial last step, and a cluster row; spill-free at these shapes."""
+    backward (one row a CTA, folded rows, 16-byte loads, staged, RMSNorm, a residual, fp32, fp64, per-head
+    weights, dropout, the one-launch backward, the unstaged forward), aligned rows of a partial last step (also
+    several rows a warp), and a cluster row; spill-free at these shapes, and the general kernel's machine code
+    differs from the checked one's (the knob acts)."""
+    import importlib.util
+    from pathlib import Path
+
     fwd = Traits(hidden_size=4097, input_dtype="bfloat16", warps_n=4, bytes_per_ldg=8, stages=1, aligned_rows=False)
     bwd = fwd.replace(backward=True, smem_accumulators=True)
     variants = [fwd, fwd.replace(warps_m=2), fwd.replace(bytes_per_ldg=16, stages=2), fwd.replace(rms=True),
-                fwd.replace(input_dtype="float32", has_residual=True, bytes_per_ldg=16), bwd,
-                bwd.replace(warps_m=2), bwd.replace(rms=True, has_bias=False, register_sum_steps=2),
-                bwd.replace(hidden_size=2304, aligned_rows=True), fwd.replace(hidden_size=2304, aligned_rows=True)]
+                fwd.replace(input_dtype="float32", has_residual=True, bytes_per_ldg=16),
+                Traits(hidden_size=4097, input_dtype="float64", warps_n=8, bytes_per_ldg=16, stages=1,
+                       aligned_rows=False),
+                fwd.replace(per_head=True, cache_weights=False), fwd.replace(dropout=True, has_residual=True),
+                fwd.replace(persistent=False, min_ctas_per_sm=2), bwd, bwd.replace(warps_m=2),
+                bwd.replace(rms=True, has_bias=False, register_sum_steps=2), bwd.replace(grid_finalize=True),
+                bwd.replace(hidden_size=2304, aligned_rows=True), fwd.replace(hidden_size=2304, aligned_rows=True),
+                Traits(hidden_size=136, input_dtype="bfloat16", warps_n=1, lanes_per_row=8, bytes_per_ldg=16,
+                       stages=1)]
     if arch >= 90:
         variants += [fwd.replace(hidden_size=16385, ctas_per_row=2, pushed_exchange=True),
                      bwd.replace(hidden_size=16385, ctas_per_row=2, warps_n=8, pushed_exchange=True)]
@@ -113,6 +124,14 @@ def test_unchecked_whole_steps_compile_clean(arch):
         assert 0 < t.whole_steps < t.ldgs, t.short()
         v = t.replace(unchecked_whole_steps=True)
         assert compile_only(v, arch).clean, v.short()
+    spec = importlib.util.spec_from_file_location(
+        "codegen_digest", Path(__file__).resolve().parent.parent / "scripts" / "codegen_digest.py")
+    digest = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(digest)
+    for t in (fwd, bwd):  # the machine code itself, not the constant banks the new flag's value sits in
+        checked, unchecked = (digest.text_sections(compile_only(u, arch).cubin)
+                              for u in (t, t.replace(unchecked_whole_steps=True)))
+        assert checked != unchecked, t.short()
 
 
 def test_general_and_flag_sample_compiles():

@@ -466,8 +466,8 @@ def test_a_spilling_unstaged_pick_falls_back_to_the_staged_heuristic():
 def test_a_spilling_measured_pick_tries_half_its_ctas_an_sm_before_the_heuristic(monkeypatch):
     """General rows borrow knobs measured on aligned rows; where they spill, the same shape at half the CTAs an
     SM (twice the registers a thread) comes first, then the staged heuristic. One function decides
-    (`dispatch.without_spills`, through `dispatch.what_runs`), for the checker and for the GPU path (`plan._plan`, run here with its
-    compiler stubbed: a kernel's local memory as the spill set says)."""
+    (`dispatch.without_spills`, through `dispatch.what_runs`), for the checker and for the GPU path (`plan._plan`,
+    run here with its compiler stubbed: a kernel's local memory as the spill set says)."""
     from types import SimpleNamespace
 
     from cunorm import plan
@@ -488,8 +488,7 @@ def test_a_spilling_measured_pick_tries_half_its_ctas_an_sm_before_the_heuristic
     monkeypatch.setattr(plan, "device_gpu", lambda device_id: None)
 
     def gpu_runs(spilling):
-        monkeypatch.setattr(plan, "kernels_for", lambda t, device_id, source=None:
-                            {"k": SimpleNamespace(local_bytes=8 if t in spilling else 0)})
+        monkeypatch.setattr(plan, "kernels_for", lambda t, device_id, source=None: {"k": SimpleNamespace()})
         monkeypatch.setattr(plan, "keeps_local_memory", lambda t, device_id: t in spilling)
         plan.forget_choices()
         try:
@@ -537,7 +536,7 @@ def test_a_sixteen_cta_pick_this_gpu_holds_no_cluster_of_runs_within_portable_cl
     runs the heuristic's pick within 8-CTA clusters, and says so; where one is resident, the pick runs."""
     from types import SimpleNamespace
 
-    from cunorm import plan
+    from cunorm import compiler, plan
     from cunorm.compiler import ClusterNotResident
     from cunorm.norm import plans
 
@@ -564,6 +563,7 @@ def test_a_sixteen_cta_pick_this_gpu_holds_no_cluster_of_runs_within_portable_cl
             return {"k": SimpleNamespace(local_bytes=0)}
 
         monkeypatch.setattr(plan, "kernels_for", kernels_for)
+        monkeypatch.setattr(compiler, "kernels_for", kernels_for)  # what compiler.keeps_local_memory loads
         plan.forget_choices()
         try:
             return plan.resolve(plans.Family, None, call, 0)[0]
@@ -706,16 +706,39 @@ def test_the_shared_memory_rule_counts_the_static_scratch_too(monkeypatch):
     (dict(hidden_size=2304, bytes_per_ldg=8, warps_n=4), 4),  # aligned, 576 vectors in steps of 128: 4 of 5
     (dict(hidden_size=384, bytes_per_ldg=16, warps_n=4), 0),  # aligned, one partial step
     (dict(hidden_size=4097, bytes_per_ldg=8, warps_n=4, aligned_rows=False), 8),  # 1025 vectors, steps of 128
-    (dict(hidden_size=4095, bytes_per_ldg=8, warps_n=4, aligned_rows=False), 7),  # 1023 whole: the 8th may not be
+    (dict(hidden_size=4095, bytes_per_ldg=8, warps_n=4, aligned_rows=False), 7),  # one short: see below
     (dict(hidden_size=8193, bytes_per_ldg=16, warps_n=9, aligned_rows=False), 3),  # 1024 vectors, steps of 288
+    (dict(hidden_size=200, bytes_per_ldg=16, warps_n=1, lanes_per_row=8), 3),  # several rows a warp: 25 in 8s
 ])
-def test_whole_steps_count_the_steps_every_vector_of_lies_in_the_row(changes, whole):
-    """`whole_steps` (mirrored by the kernel's WHOLE_STEPS, checked by a static_assert when compiled): the
-    load steps whose every thread's vector lies in the row, for any shift of a general row: those ending by
-    N // E vectors. The rest is at least one step, unless the tiles are full."""
+def test_whole_steps_are_steps_every_thread_holds_row_elements_in(changes, whole):
+    """`whole_steps` (mirrored by the kernel's WHOLE_STEPS, checked by a static_assert when compiled): load steps
+    in which every thread's vector holds elements of the row for every shift (Coords::in_row, brute-forced over
+    every thread's column and shift here), all steps with full tiles, and at most one step short of the exact
+    count (shifted rows count the vectors ending by N // E: 4095 in 4-element vectors, steps of 128, is whole
+    through step 8, counted as 7)."""
     t = Traits(input_dtype="bfloat16", **changes)
     assert t.whole_steps == whole
-    assert (t.whole_steps == t.ldgs) == t.full_tiles
-    vectors = t.vec_cols if t.aligned_rows else t.hidden_size // t.elts_per_ldg  # those inside at any shift
-    assert t.whole_steps * t.vec_cols_per_ldg <= vectors  # every vector of the whole steps lies in the row
-    assert t.full_tiles or (t.whole_steps + 1) * t.vec_cols_per_ldg > vectors  # and the next step's may not
+    e, per_step = t.elts_per_ldg, t.vec_cols_per_ldg
+    shifts = range(e) if not t.aligned_rows else (0,)
+
+    def in_row(vec, shift):  # Coords::in_row
+        return vec < t.vec_cols if t.aligned_rows else vec * e < shift + t.hidden_size
+
+    exact = next((it for it in range(t.ldgs) if not all(in_row(col + it * per_step, shift)
+                                                          for col in range(per_step) for shift in shifts)), t.ldgs)
+    assert exact - 1 <= t.whole_steps <= exact and (t.whole_steps == t.ldgs) == t.full_tiles
+
+
+def test_keeps_local_memory_asks_every_loaded_kernel(monkeypatch):
+    """compiler.keeps_local_memory (the GPU path's and the tuner's one spill test): local memory in any of a
+    traits' loaded kernels (a spill or a stack frame), none in all."""
+    from types import SimpleNamespace
+
+    from cunorm import compiler
+
+    loaded = {}
+    monkeypatch.setattr(compiler, "kernels_for", lambda t, device_id: loaded)
+    loaded.update(main=SimpleNamespace(local_bytes=0), finalize=SimpleNamespace(local_bytes=0))
+    assert not compiler.keeps_local_memory(Traits(hidden_size=1024), 0)
+    loaded["finalize"] = SimpleNamespace(local_bytes=8)
+    assert compiler.keeps_local_memory(Traits(hidden_size=1024), 0)

@@ -508,6 +508,15 @@ def test_general_rows_try_their_whole_steps_unchecked(gpu):
     assert saved().knobs(job.key) == {**checked[0], "unchecked_whole_steps": True}
 
 
+def test_full_tiles_never_try_their_whole_steps_unchecked(gpu):
+    """An aligned key whose candidates have full tiles (or no whole step) times no unchecked variant: the knob
+    would compile the same code again."""
+    gpu.ms = lambda knobs: fake_ms(knobs) - 0.0002 * knobs["unchecked_whole_steps"]
+    assert run_tune("--sizes", "4096", "--ops", "fwd", "--fresh").exit_code == 0
+    timed = gpu.timed_knobs(search_space.Job.of(4096, "bfloat16").key, 4096, "bfloat16")
+    assert timed and not any(dict(k)["unchecked_whole_steps"] for k in timed)
+
+
 def test_what_dispatch_runs_today_competes(gpu):
     """The incumbent (here a user-table entry: a slow launch shape with extras only the fastest shapes try)
     is timed beside the candidates, so a new entry is never one that loses to what it replaces."""
@@ -520,9 +529,9 @@ def test_what_dispatch_runs_today_competes(gpu):
     assert run_tune("--sizes", "1024", "--ops", "fwd", "--fresh").exit_code == 0
     # A table entry written before a knob existed (lanes_per_row, persistent, merged_moments, pushed_exchange,
     # register_sum_steps, unchecked_whole_steps here) is timed with that knob's default.
-    assert frozen({**incumbent, "lanes_per_row": 32, "persistent": True, "merged_moments": False,
-                   "pushed_exchange": False, "register_sum_steps": 0, "unchecked_whole_steps": False}) in gpu.timed_knobs(
-        key, 1024, "bfloat16")
+    defaults = {"lanes_per_row": 32, "persistent": True, "merged_moments": False, "pushed_exchange": False,
+                "register_sum_steps": 0, "unchecked_whole_steps": False}
+    assert frozen({**incumbent, **defaults}) in gpu.timed_knobs(key, 1024, "bfloat16")
 
 
 def test_a_new_entry_reports_what_it_replaced_from_the_same_rounds(gpu):

@@ -109,10 +109,14 @@ def case_kernels(cases, arch: int, spills=None, gpu=None):
     seen = set()
     for case in cases:
         if case.op == "attention_delta":
-            found = [(delta_heuristic(case.hidden_size, case.dtype, case.weight_dtype, cap), "heuristic")
-                     for cap in (16, 1)]
-        else:
             try:
+                found = [(delta_heuristic(case.hidden_size, case.dtype, case.weight_dtype, cap), "heuristic")
+                         for cap in (16, 1)]
+            except ValueError as e:  # a head dim the op refuses for these dtypes (it raises too)
+                yield e, "unsupported"
+                continue
+        else:
+            try:  # a ValueError anywhere in choosing, the spill fallback's too, is the op's refusal as well
                 call = case_call(case)
                 if case.knobs is not None:  # forced: no spill fallback (the op runs them as given)
                     t = dispatch.from_knobs(dict(case.knobs), **call)

@@ -40,9 +40,9 @@ static_assert(!MERGED_MOMENTS || (!RMS && CTAS_PER_ROW > 1), "merged moments are
 // of a cluster barrier and loads from the peers'.
 constexpr bool PUSHED_EXCHANGE = ${PUSHED_EXCHANGE};
 static_assert(!PUSHED_EXCHANGE || (CTAS_PER_ROW > 1 && WARPS_M == 1), "pushed exchanges are a cluster row's");
-// The load steps whose every vector lies in the row skip the column check (WHOLE_STEPS, below): it folds away at
-// compile time, as the compiler cannot bound a thread's column itself. More loads go unpredicated and may be
-// hoisted: fewer instructions, often more registers (a tuned knob; no effect with full tiles).
+// The load steps in which every thread's vector holds elements of the row skip the column check (WHOLE_STEPS,
+// below), which the compiler cannot prove itself: it folds away at compile time. More loads go unpredicated and
+// may be hoisted: fewer instructions, often more registers (a tuned knob; no effect with full tiles).
 constexpr bool UNCHECKED_WHOLE_STEPS = ${UNCHECKED_WHOLE_STEPS};
 // Every row starts on a vector boundary and is whole vectors long. Otherwise
 // (the general kernel) a row is read in the aligned frame around it: vector v
@@ -81,7 +81,8 @@ constexpr int LDGS = (VEC_COLS + VEC_COLS_PER_LDG - 1) / VEC_COLS_PER_LDG;
 constexpr int ELTS_PER_THREAD = LDGS * ELTS_PER_LDG;
 // Whether every thread's every LDG lands inside the row (no column predicate).
 constexpr bool FULL_TILES = ALIGNED_ROWS && VEC_COLS % VEC_COLS_PER_LDG == 0;
-// LDG steps whose every thread's vector lies in the row (starts inside it, whatever the shift).
+// LDG steps in which every thread's vector holds elements of the row (starts before its end, whatever the shift;
+// shifted rows: those ending by N / E vectors, one step short of the exact count where N % E != 0).
 constexpr int WHOLE_STEPS = ALIGNED_ROWS ? VEC_COLS / VEC_COLS_PER_LDG : COLS / ELTS_PER_LDG / VEC_COLS_PER_LDG;
 
 static_assert(sizeof(compute_t) == 4 || sizeof(compute_t) == 8, "compute_t must be fp32 or fp64");

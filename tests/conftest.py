@@ -3,9 +3,20 @@ needed), C (`gpu`: runs kernels). A tier's tests skip with a reason when its
 requirement is missing, and fail instead when CUNORM_REQUIRE_GPU=1 (tier C) or
 CUNORM_REQUIRE_NVRTC=1 (tier B) is set, so no run passes by skipping."""
 import functools
+import importlib.util
 import os
+from pathlib import Path
 
 import pytest
+
+
+def load_script(name: str):
+    """scripts/NAME.py of this tree as a module (the scripts are not a package)."""
+    path = Path(__file__).resolve().parent.parent / "scripts" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 @functools.lru_cache(maxsize=None)

@@ -102,9 +102,6 @@ def test_unchecked_whole_steps_compile_clean_and_change_the_code(arch):
     weights, dropout, the one-launch backward, the unstaged forward), aligned rows of a partial last step (also
     several rows a warp), and a cluster row; spill-free at these shapes, and the general kernel's machine code
     differs from the checked one's (the knob acts)."""
-    import importlib.util
-    from pathlib import Path
-
     fwd = Traits(hidden_size=4097, input_dtype="bfloat16", warps_n=4, bytes_per_ldg=8, stages=1, aligned_rows=False)
     bwd = fwd.replace(backward=True, smem_accumulators=True)
     variants = [fwd, fwd.replace(warps_m=2), fwd.replace(bytes_per_ldg=16, stages=2), fwd.replace(rms=True),
@@ -124,10 +121,9 @@ def test_unchecked_whole_steps_compile_clean_and_change_the_code(arch):
         assert 0 < t.whole_steps < t.ldgs, t.short()
         v = t.replace(unchecked_whole_steps=True)
         assert compile_only(v, arch).clean, v.short()
-    spec = importlib.util.spec_from_file_location(
-        "codegen_digest", Path(__file__).resolve().parent.parent / "scripts" / "codegen_digest.py")
-    digest = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(digest)
+    from conftest import load_script
+
+    digest = load_script("codegen_digest")
     for t in (fwd, bwd):  # the machine code itself, not the constant banks the new flag's value sits in
         checked, unchecked = (digest.text_sections(compile_only(u, arch).cubin)
                               for u in (t, t.replace(unchecked_whole_steps=True)))

@@ -1,17 +1,6 @@
 """Tier A: the GPU tier's scripts parse their arguments and list their work without a GPU."""
-import importlib.util
-from pathlib import Path
-
 import pytest
-
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def _script(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from conftest import load_script as _script
 
 
 def test_the_sanitizer_sweep_covers_every_op_at_few_rows_and_parses_its_shard():

@@ -738,13 +738,9 @@ def test_what_dispatch_runs_today_reaches_the_final_rounds_however_it_screened(g
 
 def table_ab_script():
     """scripts/table_ab.py as a module."""
-    import importlib.util
-    from pathlib import Path
+    from conftest import load_script
 
-    spec = importlib.util.spec_from_file_location("table_ab", Path(__file__).parent.parent / "scripts" / "table_ab.py")
-    table_ab = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(table_ab)
-    return table_ab
+    return load_script("table_ab")
 
 
 def test_table_ab_rows_are_the_median_and_spread_of_each_sides_rounds(gpu, tmp_path):

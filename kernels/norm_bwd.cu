@@ -16,6 +16,8 @@
 // every sum runs in a fixed order, so the results are bitwise reproducible.
 #include "cunorm_common.cuh"
 #include "norm_traits.cuh"
+#include "norm_rows.cuh"
+#include "row_reducer.cuh"
 static_assert(PERSISTENT, "the backward's CTAs each sum their rows' column partials: a persistent grid");
 
 constexpr bool SMEM_ACCUMULATORS = ${SMEM_ACCUMULATORS};

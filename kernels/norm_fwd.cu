@@ -10,6 +10,8 @@
 // exact two-pass sums in compute_t over the registers, never E[h^2] - E[h]^2.
 #include "cunorm_common.cuh"
 #include "norm_traits.cuh"
+#include "norm_rows.cuh"
+#include "row_reducer.cuh"
 
 // fp8 outputs: y is stored as y / scale, rounded to nearest even and saturated, with the scale given for the
 // tensor (QUANT_TENSOR), or the amax of |y| over the row (QUANT_ROW) or over each 128 columns (QUANT_GROUP)

@@ -361,15 +361,18 @@ def open_table(path: Path, gpu) -> tables.Table:
 
 def _tune_line(job: Job, record: dict) -> str:
     """A key's result, its knobs spelled as `cunorm bench --traits` takes them, and what ran the call before
-    in the same final rounds (where it was timed there), with its origin (a run's records name it: dispatch's
-    table, or what replaced a pick that spills)."""
+    in the same final rounds (where it was timed there; else that it was not), with its origin (a run's records
+    name it: dispatch's table, or what replaced a pick that spills)."""
     knobs = ",".join(f"{k}={int(v)}" for k, v in record["knobs"].items())
     lo, hi = record["spread"]
     line = (f"TUNE {job.label()}: {record['fraction_of_copy']:.3f} [{lo:.3f}, {hi:.3f}] of copy, "
             f"{record['ms']:.4f} ms, {knobs}")
     before = record.get("incumbent")
     if before is None:
-        return line
+        untimed = record.get("incumbent_not_timed")
+        return line if untimed is None else (
+            line + f"; dispatch's pick before ({untimed['origin']}): not timed, it did not compile without local "
+                   f"memory or did not launch here")
     if before["knobs"] == record["knobs"]:
         return line + "; dispatch's pick before: the same"
     lo, hi = before["spread"]
@@ -439,7 +442,10 @@ def run(sizes=SIZES, ops=tuple(OPS), residuals=(False,), dtype_names=("bfloat16"
                 continue
             if "incumbent" in entry:
                 entry["incumbent"]["origin"] = origin  # its table, or what replaced a pick that spills
-            table.put(job.key, entry["knobs"], **{k: v for k, v in entry.items() if k not in ("knobs", "incumbent")})
+            elif incumbent is not None:  # it did not compile clean or launch here: no reading, said so
+                entry["incumbent_not_timed"] = {"knobs": incumbent.knobs(), "origin": origin}
+            table.put(job.key, entry["knobs"],
+                      **{k: v for k, v in entry.items() if k not in ("knobs", "incumbent", "incumbent_not_timed")})
             tables.save(table, path)
             record = {**dataclasses.asdict(job.key), **entry, "table": str(path)}
             summary["tuned"].append(record)

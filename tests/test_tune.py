@@ -594,8 +594,12 @@ def test_a_pick_that_does_not_compile_is_not_timed_and_the_key_is_tuned(gpu, mon
     assert tune.what_runs(job.call_fields(), 90, GPU, 0)[0] == broken
     res = run_tune("--sizes", "1024", "--ops", "bwd", "--json")
     assert res.exit_code == 0, res.output
-    assert "incumbent" not in json.loads(res.stdout.splitlines()[0])
+    record = json.loads(res.stdout.splitlines()[0])
+    assert "incumbent" not in record and record["incumbent_not_timed"]["knobs"] == broken.knobs()
     assert frozen(broken.knobs()) not in gpu.timed_knobs(job.key, 1024, "bfloat16")
+    # the TUNE line says there is no reading before, and why, rather than leaving it out
+    assert f"dispatch's pick before ({record['incumbent_not_timed']['origin']}): not timed" in res.stderr
+    assert "incumbent_not_timed" not in saved().entries[job.key]
 
 
 def measured_with(job, shapes: list, incumbent, rounds: int = 4) -> dict:

@@ -1,6 +1,6 @@
 """Tier A: `cunorm bench` without a GPU: its options, kernel variants
 (--traits, --source) timed on a stand-in GPU whose calls report their own
-time, and the bandwidth plot (cunorm.plot). `cunorm tune`: test_tune.py."""
+time, and the bandwidth plot (cunorm.plot). `cunorm tune`: test_tune.py, test_tune_ranking.py."""
 import itertools
 import json
 import sys

@@ -176,8 +176,9 @@ def refinements(shape: Traits, arch: int = 90) -> list:
     """Phase 1, on a fast shape: the extras (stages, register cap, weight caching, shared-memory sums); an
     unstaged forward's: its register caps, with weights held or re-read; a LayerNorm forward of cluster rows
     each of them with merged moments too; every refinement of cluster rows with the other exchange too."""
-    # (an incumbent's: its extras include sums in registers, or unchecked whole steps: later passes try those)
-    shape = shape.replace(register_sum_steps=0, unchecked_whole_steps=False)
+    # (an incumbent's: its extras include sums in registers, unchecked whole steps or sum chains: later passes
+    # try those)
+    shape = shape.replace(register_sum_steps=0, unchecked_whole_steps=False, sum_chains=1)
     if not shape.persistent:
         unstaged = _unstaged(shape, UNSTAGED_CAPS, arch, caches=(False, True))
         return _with_pushed_exchanges(_with_merged_moments(unstaged))
@@ -221,6 +222,19 @@ def unchecked_whole_steps_variants(t: Traits) -> list:
     if t.unchecked_whole_steps or t.full_tiles or t.whole_steps == 0:
         return []
     return [t.replace(unchecked_whole_steps=True)]
+
+
+SUM_CHAIN_COUNTS = (2, 4)  # a forward's row sums in this many chains a thread, tried beside one (sum_chains)
+
+
+def sum_chains_variants(t: Traits) -> list:
+    """A forward again with its row sums in 2 and 4 chains a thread (`sum_chains`; at most a vector's
+    elements): shorter dependent chains of adds, more registers. On an H200 two chains read 0.670 -> 0.761 of
+    copy at LayerNorm's general forward 32769 and cost up to 0.016 elsewhere (PERFORMANCE.md version 77), so it
+    is measured per key."""
+    if t.backward or t.sum_chains != 1:
+        return []
+    return [t.replace(sum_chains=c) for c in SUM_CHAIN_COUNTS if c <= t.elts_per_ldg]
 
 
 def _with_merged_moments(refined: list) -> list:

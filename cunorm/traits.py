@@ -38,12 +38,12 @@ MIN_ARCH = 80  # cp.async and the bf16/f16x2 conversion instructions
 # The independent knobs: launch shape and research levers (what tuning varies and `traits=` may force).
 KNOBS = ("warps_m", "warps_n", "ctas_per_row", "bytes_per_ldg", "stages", "cache_weights", "min_ctas_per_sm",
          "smem_accumulators", "recompute", "lanes_per_row", "persistent", "merged_moments", "pushed_exchange",
-         "register_sum_steps", "unchecked_whole_steps")
+         "register_sum_steps", "unchecked_whole_steps", "sum_chains")
 # What a knob left out takes when others are given (`traits=` mappings, the tuner).
 KNOB_DEFAULTS = dict(warps_m=1, warps_n=1, ctas_per_row=1, bytes_per_ldg=16, stages=2, cache_weights=True,
                      min_ctas_per_sm=1, smem_accumulators=False, recompute=True, lanes_per_row=THREADS_PER_WARP,
                      persistent=True, merged_moments=False, pushed_exchange=False, register_sum_steps=0,
-                     unchecked_whole_steps=False)
+                     unchecked_whole_steps=False, sum_chains=1)
 LATE_DGAMMA_MAX_ELTS = 16  # see Traits.late_dgamma
 REFINE_MIN_OFFSET = 4.0  # REFINE_MEAN refines rows whose mean lies this many std or more from zero
 LANES_PER_ROW = (4, 8, 16, 32)  # lanes of a warp sharing a row: below 32, a warp holds several (short) rows
@@ -115,6 +115,10 @@ class Traits:
       (`whole_steps`) skip the column check, which then folds away at compile time: fewer instructions, and
       loads the compiler may hoist (often more registers). No effect with full tiles or without whole steps (the
       same code, compiled again under another key). Same arithmetic: the same bits.
+    sum_chains: (forward) a thread's row sums (the mean's, the squares') in 1, 2 or 4 independent chains of
+      adds, element e of each vector into chain e % sum_chains, added pairwise at the end (at most
+      elts_per_ldg): shorter dependent chains where few warps an SM hide the adds' latency, more registers.
+      Other chains add in another order: other rounding, within the same tolerances.
     has_weight / has_bias: whether gamma / beta are present.
     rms: RMSNorm (no mean) rather than LayerNorm; with has_bias, y = xhat * w + b.
     has_residual: forward: x + residual is normalized and stored; backward:
@@ -183,6 +187,7 @@ class Traits:
     pushed_exchange: bool | None = None
     register_sum_steps: int | None = None
     unchecked_whole_steps: bool | None = None
+    sum_chains: int | None = None
     has_weight: bool = True
     has_bias: bool = True
     rms: bool = False
@@ -564,6 +569,9 @@ class Traits:
         rule(not self.merged_moments or (not self.backward and not self.rms and self.ctas_per_row > 1),
              "merged_moments is a knob of LayerNorm forwards of cluster rows (ctas_per_row > 1)")
         rule(type(self.unchecked_whole_steps) is bool, "unchecked_whole_steps must be True or False")
+        rule(type(self.sum_chains) is int and (self.sum_chains == 1 or (  # (not a bool: it renders as one)
+            self.sum_chains in (2, 4) and not self.backward and self.sum_chains <= self.elts_per_ldg)),
+             f"sum_chains must be 1, or for a forward 2 or 4, at most elts_per_ldg ({self.elts_per_ldg})")
         rule(not self.pushed_exchange or self.ctas_per_row > 1, "pushed_exchange is a knob of cluster rows "
              "(ctas_per_row > 1)")
 
@@ -615,7 +623,8 @@ class Traits:
                 + ("" if self.persistent else " PERSISTENT=0") + (" MERGED_MOMENTS=1" if self.merged_moments else "")
                 + (" PUSHED_EXCHANGE=1" if self.pushed_exchange else "")
                 + (f" REGISTER_SUM_STEPS={self.register_sum_steps}" if self.register_sum_steps else "")
-                + (" UNCHECKED_WHOLE_STEPS=1" if self.unchecked_whole_steps else ""))
+                + (" UNCHECKED_WHOLE_STEPS=1" if self.unchecked_whole_steps else "")
+                + (f" SUM_CHAINS={self.sum_chains}" if self.sum_chains != 1 else ""))
 
     def knobs(self) -> dict:
         return {k: getattr(self, k) for k in KNOBS}
@@ -663,6 +672,7 @@ class Traits:
             "RECOMPUTE": "true" if self.recompute else "false",
             "REGISTER_SUM_STEPS": self.register_sum_steps,
             "UNCHECKED_WHOLE_STEPS": "true" if self.unchecked_whole_steps else "false",
+            "SUM_CHAINS": self.sum_chains,
             "FROM_OUTPUT": int(self.from_output),
             "QUANT": QUANT_MODES.index(self.quant),
             "AMAX": int(self.amax),

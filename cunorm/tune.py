@@ -38,8 +38,9 @@ from pathlib import Path
 import numpy as np
 
 from . import dtypes, tables
-from .search_space import (OPS, REGISTER_SUM_SHARES, SIZES, Job, candidates, extra_combinations, plan, refinements,
-                           register_sum_variants, unchecked_whole_steps_variants, with_pushed_exchange)
+from .search_space import (OPS, REGISTER_SUM_SHARES, SIZES, SUM_CHAIN_COUNTS, Job, candidates, extra_combinations,
+                           plan, refinements, register_sum_variants, sum_chains_variants,
+                           unchecked_whole_steps_variants, with_pushed_exchange)
 from .traits import Traits
 
 REPEAT = 6  # timed batches per measurement (bench.median_ms)
@@ -163,8 +164,9 @@ def rank(shapes, case, device_id: int, arch: int, tick, echo, deadline=None, kee
     """[(ms, traits)] fastest first: every shape, then the extras on the `keep` fastest, then the `keep`
     fastest with shared-memory column sums (as their all-in-shared-memory selves) with some sums in registers
     (`register_sum_variants`), then the `keep` fastest with their whole load steps unchecked
-    (`unchecked_whole_steps_variants`: rows without full tiles); each traits timed once, or twice within
-    SECOND_LOOK of the fastest so far (`_second_look`)."""
+    (`unchecked_whole_steps_variants`: rows without full tiles), then a forward's `keep` fastest with their
+    row sums in more chains (`sum_chains_variants`); each traits timed once, or twice within SECOND_LOOK of the
+    fastest so far (`_second_look`)."""
     ranked = _time_all(shapes, case, device_id, tick, echo, deadline)
 
     def add(candidates: list) -> list:
@@ -175,7 +177,8 @@ def rank(shapes, case, device_id: int, arch: int, tick, echo, deadline=None, kee
     ranked = add([t for _, shape in ranked[:keep] for t in refinements(shape, arch)])
     in_smem = list(dict.fromkeys(t.replace(register_sum_steps=0) for _, t in ranked if t.smem_accumulators))
     ranked = add([v for t in in_smem[:keep] for v in register_sum_variants(t)])
-    return add([v for _, t in ranked[:keep] for v in unchecked_whole_steps_variants(t)])
+    ranked = add([v for _, t in ranked[:keep] for v in unchecked_whole_steps_variants(t)])
+    return add([v for _, t in ranked[:keep] for v in sum_chains_variants(t)])
 
 
 def _steps(shapes: list, backward: bool, keep: int, finalists: int, rounds: int) -> int:
@@ -185,7 +188,8 @@ def _steps(shapes: list, backward: bool, keep: int, finalists: int, rounds: int)
     incumbent = 1 if finalists else 0  # the ranking step alone (`tune`) has no final rounds
     register_sums = keep * (1 + len(REGISTER_SUM_SHARES)) if backward else 0  # register_sum_variants, at most
     unchecked = keep  # unchecked_whole_steps_variants, at most
-    return (len(shapes) + keep * len(list(extra_combinations(backward))) + register_sums + unchecked
+    chains = 0 if backward else keep * len(SUM_CHAIN_COUNTS)  # sum_chains_variants, at most
+    return (len(shapes) + keep * len(list(extra_combinations(backward))) + register_sums + unchecked + chains
             + (finalists + incumbent) * (rounds + 1))
 
 

@@ -19,6 +19,7 @@
 #include "norm_rows.cuh"
 #include "row_reducer.cuh"
 static_assert(PERSISTENT, "the backward's CTAs each sum their rows' column partials: a persistent grid");
+static_assert(SUM_CHAINS == 1, "sum chains are a forward's");
 
 constexpr bool SMEM_ACCUMULATORS = ${SMEM_ACCUMULATORS};
 // With SMEM_ACCUMULATORS, the column sums of the first REGISTER_SUM_STEPS load steps stay in registers: each

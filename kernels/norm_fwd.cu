@@ -69,6 +69,24 @@ constexpr int SMEM_BYTES = RowPipe<input_t>::BYTES + RowPipe<residual_t, HAS_RES
                            RowWeights<bias1_t, HAS_BIAS1>::BYTES;
 static_assert(SMEM_BYTES == ${SMEM_BYTES}, "cunorm.Traits.smem_bytes disagrees with the kernel");
 
+// A thread's running row sum in SUM_CHAINS chains (norm_traits.cuh). Chain 0 starts from the value given, so with
+// one chain the adds are a single running sum's, as they were before the knob.
+struct SumChains {
+  compute_t chain[SUM_CHAINS];
+  __device__ __forceinline__ explicit SumChains(compute_t first) {
+    chain[0] = first;
+#pragma unroll
+    for (int c = 1; c < SUM_CHAINS; ++c) chain[c] = 0;
+  }
+  // Element e of a vector adds into chain e % SUM_CHAINS.
+  __device__ __forceinline__ compute_t& operator[](int e) { return chain[e % SUM_CHAINS]; }
+  __device__ __forceinline__ compute_t total() const {  // pairwise: (c0 + c1) + (c2 + c3)
+    if constexpr (SUM_CHAINS == 4) return (chain[0] + chain[1]) + (chain[2] + chain[3]);
+    else if constexpr (SUM_CHAINS == 2) return chain[0] + chain[1];
+    else return chain[0];
+  }
+};
+
 // Row tensors (x, residual, y, residual_out; x1, y1) may alias one another (in place)
 // and so are not __restrict__.
 extern "C" __global__ void __launch_bounds__(THREADS_PER_CTA, MIN_CTAS_PER_SM) CN_CLUSTER_DIMS
@@ -218,10 +236,12 @@ norm_fwd(const input_t* x, const residual_t* residual, const weight_t* __restric
     // The row's sum (padding holds 0); MERGED_MOMENTS: the CTA's sum and its count of row elements.
     compute_t sum[MERGED_MOMENTS ? 2 : 1] = {0};
     if constexpr (!RMS) {
+      SumChains row_sum(sum[0]);
 #pragma unroll
       for (int it = 0; it < LDGS; ++it)
 #pragma unroll
-        for (int e = 0; e < ELTS_PER_LDG; ++e) sum[0] += value(it, e);
+        for (int e = 0; e < ELTS_PER_LDG; ++e) row_sum[e] += value(it, e);
+      sum[0] = row_sum.total();
       if constexpr (MERGED_MOMENTS) {
         if_merged([&](auto) {
           with_edges(at, [&](auto edges) {
@@ -255,9 +275,10 @@ norm_fwd(const input_t* x, const residual_t* residual, const weight_t* __restric
       constexpr bool SQUARE = decltype(square)::value;
       constexpr bool BOTH = sizeof(total) == 2 * sizeof(compute_t);
       static_assert(!BOTH || SQUARE, "deviations beside their squares");
-      auto add = [&](compute_t d) {
-        total[0] = SQUARE ? cn_fma_keep_subnormal(d, d, total[0]) : total[0] + d;
-        if constexpr (BOTH) total[BOTH] += d;
+      SumChains first(total[0]), second(total[BOTH]);  // second: the deviations themselves (BOTH)
+      auto add = [&](int e, compute_t d) {
+        first[e] = SQUARE ? cn_fma_keep_subnormal(d, d, first[e]) : first[e] + d;
+        if constexpr (BOTH) second[e] += d;
       };
       with_edges(at, [&](auto edges) {
         constexpr bool EDGES = decltype(edges)::value;
@@ -267,16 +288,19 @@ norm_fwd(const input_t* x, const residual_t* residual, const weight_t* __restric
           if (RMS || whole<EDGES>(it, at)) {  // RMSNorm: padding holds 0, which adds nothing
 #pragma unroll
             for (int e = 0; e < ELTS_PER_LDG; ++e) {
-              add(SCALE == 1 ? value(it, e) - mean : (value(it, e) - mean) * SCALE);
+              add(e, SCALE == 1 ? value(it, e) - mean : (value(it, e) - mean) * SCALE);
             }
           } else {  // a row end (general kernel): padding holds 0, not the mean
 #pragma unroll
             for (int e = 0; e < ELTS_PER_LDG; ++e) {
-              add(at.valid(it, e) ? (SCALE == 1 ? value(it, e) - mean : (value(it, e) - mean) * SCALE) : compute_t(0));
+              add(e, at.valid(it, e) ? (SCALE == 1 ? value(it, e) - mean : (value(it, e) - mean) * SCALE)
+                                     : compute_t(0));
             }
           }
         }
       });
+      total[0] = first.total();
+      if constexpr (BOTH) total[BOTH] = second.total();
       reducer.template allreduce<decltype(row_only)::value, decltype(across_cluster)::value>(total, at);
     };
     compute_t sq[1] = {0};

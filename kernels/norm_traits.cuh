@@ -44,6 +44,10 @@ static_assert(!PUSHED_EXCHANGE || (CTAS_PER_ROW > 1 && WARPS_M == 1), "pushed ex
 // below), which the compiler cannot prove itself: it folds away at compile time. More loads go unpredicated and
 // may be hoisted: fewer instructions, often more registers (a tuned knob; no effect with full tiles).
 constexpr bool UNCHECKED_WHOLE_STEPS = ${UNCHECKED_WHOLE_STEPS};
+// A forward thread's row sums (the mean's, the squares') in SUM_CHAINS independent chains of adds, element e of a
+// vector into chain e % SUM_CHAINS, added pairwise at the end: shorter dependent chains where few warps an SM hide
+// the adds' latency (a tuned knob; other chains, other rounding).
+constexpr int SUM_CHAINS = ${SUM_CHAINS};
 // Every row starts on a vector boundary and is whole vectors long. Otherwise
 // (the general kernel) a row is read in the aligned frame around it: vector v
 // of a row covers the elements [v * E - shift, (v + 1) * E - shift), where
@@ -84,6 +88,8 @@ constexpr bool FULL_TILES = ALIGNED_ROWS && VEC_COLS % VEC_COLS_PER_LDG == 0;
 // LDG steps in which every thread's vector holds elements of the row (starts before its end, whatever the shift;
 // shifted rows: those ending by N / E vectors, one step short of the exact count where N % E != 0).
 constexpr int WHOLE_STEPS = ALIGNED_ROWS ? VEC_COLS / VEC_COLS_PER_LDG : COLS / ELTS_PER_LDG / VEC_COLS_PER_LDG;
+static_assert((SUM_CHAINS == 1 || SUM_CHAINS == 2 || SUM_CHAINS == 4) && SUM_CHAINS <= ELTS_PER_LDG,
+              "sum chains: 1, 2 or 4, each taking a vector's elements in turn");
 
 static_assert(sizeof(compute_t) == 4 || sizeof(compute_t) == 8, "compute_t must be fp32 or fp64");
 static_assert((sizeof(compute_t) == 8) == (sizeof(input_t) == 8), "compute_t is fp64 exactly for fp64 x");

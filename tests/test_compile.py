@@ -130,6 +130,37 @@ def test_unchecked_whole_steps_compile_clean_and_change_the_code(arch):
         assert checked != unchecked, t.short()
 
 
+@pytest.mark.parametrize("arch", [80, 90])
+def test_sum_chains_compile_clean_and_change_the_code(arch):
+    """A forward's row sums in 2 and 4 chains (SUM_CHAINS, checked against the traits' rule): LayerNorm and
+    RMSNorm, general and aligned rows, staged and unstaged, fp32 and fp64, a residual, merged moments (two
+    totals) on a cluster row; spill-free at these shapes, and each count's machine code its own (the knob acts)."""
+    fwd = Traits(hidden_size=4097, input_dtype="bfloat16", warps_n=4, bytes_per_ldg=8, stages=1, aligned_rows=False)
+    variants = [fwd, fwd.replace(rms=True, has_bias=False), fwd.replace(hidden_size=4096, aligned_rows=True),
+                fwd.replace(bytes_per_ldg=16, stages=2, has_residual=True),
+                fwd.replace(persistent=False, min_ctas_per_sm=2),
+                Traits(hidden_size=4097, input_dtype="float32", warps_n=4, bytes_per_ldg=16, stages=1,
+                       aligned_rows=False),
+                Traits(hidden_size=1025, input_dtype="float64", warps_n=2, bytes_per_ldg=16, stages=1,
+                       aligned_rows=False)]
+    if arch >= 90:
+        variants += [fwd.replace(hidden_size=32769, warps_n=8, ctas_per_row=4, pushed_exchange=True),
+                     fwd.replace(hidden_size=16385, ctas_per_row=4, merged_moments=True)]
+    from conftest import load_script
+
+    digest = load_script("codegen_digest")
+    for t in variants:
+        codes = {digest.text_sections(compile_only(t, arch).cubin)}
+        for chains in (c for c in (2, 4) if c <= t.elts_per_ldg):
+            v = t.replace(sum_chains=chains)
+            result = compile_only(v, arch)
+            assert result.clean, v.short()
+            codes.add(digest.text_sections(result.cubin))
+        assert len(codes) == 1 + sum(c <= t.elts_per_ldg for c in (2, 4)), t.short()
+    with pytest.raises(ValueError, match="sum_chains"):
+        fwd.replace(backward=True, sum_chains=2)
+
+
 def test_general_and_flag_sample_compiles():
     """The general kernel (odd sizes, offset views, odd row strides, broadcast weights, in place) and the
     flags (RMSNorm, residual, zero-centered), as `cunorm check` dispatches them: clean up to N = 65537."""

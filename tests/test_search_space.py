@@ -177,3 +177,19 @@ def test_unchecked_whole_steps_are_offered_to_rows_without_full_tiles_only():
     assert full.full_tiles and no_whole_step.whole_steps == 0
     assert search_space.unchecked_whole_steps_variants(full) == []
     assert search_space.unchecked_whole_steps_variants(no_whole_step) == []
+
+
+def test_sum_chains_are_offered_to_forwards_up_to_a_vector():
+    """A forward's row sums in 2 and 4 chains (as many as a vector's elements allow), the same traits but the
+    knob; not to a backward or to a variant already. A variant's extras are its one-chain self's."""
+    from cunorm.traits import Traits
+
+    bf16 = Traits(hidden_size=32769, input_dtype="bfloat16", warps_n=8, ctas_per_row=4, bytes_per_ldg=8,
+                  aligned_rows=False)
+    assert search_space.sum_chains_variants(bf16) == [bf16.replace(sum_chains=2), bf16.replace(sum_chains=4)]
+    fp32 = Traits(hidden_size=4097, input_dtype="float32", warps_n=4, bytes_per_ldg=8, aligned_rows=False)
+    (two,) = search_space.sum_chains_variants(fp32)
+    assert two == fp32.replace(sum_chains=2) and fp32.elts_per_ldg == 2
+    assert search_space.sum_chains_variants(two) == []
+    assert search_space.refinements(two) == search_space.refinements(fp32)
+    assert search_space.sum_chains_variants(bf16.replace(backward=True)) == []

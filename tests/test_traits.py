@@ -44,6 +44,11 @@ def test_derived_quantities_match_the_kernel_formulas():
     (dict(merged_moments=True, ctas_per_row=2, rms=True), "LayerNorm forwards of cluster rows"),
     (dict(pushed_exchange=True), "pushed_exchange is a knob of cluster rows"),
     (dict(unchecked_whole_steps="yes"), "unchecked_whole_steps must be True or False"),
+    (dict(sum_chains=3), "sum_chains must be 1, or for a forward 2 or 4"),
+    (dict(sum_chains=0), "sum_chains must be 1"),
+    (dict(sum_chains=True), "sum_chains must be 1"),
+    (dict(sum_chains=2, backward=True), "for a forward"),
+    (dict(sum_chains=4, input_dtype="float32", bytes_per_ldg=8), "at most elts_per_ldg \\(2\\)"),
     (dict(hidden_size=0), "positive"),
 ])
 def test_illegal_traits_name_the_rule(changes, rule):

@@ -151,6 +151,7 @@ def test_general_rows_try_their_whole_steps_unchecked(gpu):
     assert run_tune("--sizes", "4097", "--ops", "fwd", "--fresh").exit_code == 0
     job = search_space.Job.of(4097, "bfloat16")
     timed = [dict(k) for k in gpu.timed_knobs(job.key, 4097, "bfloat16")]
+    timed = [k for k in timed if k["sum_chains"] == 1]  # (the sum-chains pass comes after this one)
     unchecked = [k for k in timed if k["unchecked_whole_steps"]]
     parents = {frozen({**k, "unchecked_whole_steps": False}) for k in unchecked}
     checked = sorted((k for k in timed if not k["unchecked_whole_steps"]), key=fake_ms)
@@ -167,6 +168,26 @@ def test_full_tiles_never_try_their_whole_steps_unchecked(gpu):
     assert timed and not any(dict(k)["unchecked_whole_steps"] for k in timed)
 
 
+def test_forwards_try_their_row_sums_in_more_chains(gpu):
+    """Last, the KEEP fastest of a forward key are timed again with their row sums in 2 and 4 chains, and one
+    of those can win (the entry then holds the knob); a backward key times none."""
+    def ms(knobs):
+        return fake_ms(knobs) - 0.0001 * knobs["unchecked_whole_steps"] - 0.0002 * (knobs["sum_chains"] == 2)
+
+    gpu.ms = ms
+    assert run_tune("--sizes", "4097", "--ops", "fwd,bwd", "--fresh").exit_code == 0
+    job = search_space.Job.of(4097, "bfloat16")
+    timed = [dict(k) for k in gpu.timed_knobs(job.key, 4097, "bfloat16")]
+    chained = [k for k in timed if k["sum_chains"] != 1]
+    one_chain = sorted((k for k in timed if k["sum_chains"] == 1), key=ms)
+    parents = {frozen({**k, "sum_chains": 1}) for k in chained}
+    assert parents == {frozen(k) for k in one_chain[:tune.KEEP]}
+    assert {k["sum_chains"] for k in chained} == {2, 4}  # 8-byte bf16 loads: 4 elements, both counts
+    assert saved().knobs(job.key) == {**one_chain[0], "sum_chains": 2}
+    backward = search_space.Job.of(4097, "bfloat16", True)
+    assert not any(dict(k)["sum_chains"] != 1 for k in gpu.timed_knobs(backward.key, 4097, "bfloat16"))
+
+
 def test_what_dispatch_runs_today_competes(gpu):
     """The incumbent (here a user-table entry: a slow launch shape with extras only the fastest shapes try)
     is timed beside the candidates, so a new entry is never one that loses to what it replaces."""
@@ -178,9 +199,9 @@ def test_what_dispatch_runs_today_competes(gpu):
     tables.save(table)
     assert run_tune("--sizes", "1024", "--ops", "fwd", "--fresh").exit_code == 0
     # A table entry written before a knob existed (lanes_per_row, persistent, merged_moments, pushed_exchange,
-    # register_sum_steps, unchecked_whole_steps here) is timed with that knob's default.
+    # register_sum_steps, unchecked_whole_steps, sum_chains here) is timed with that knob's default.
     defaults = {"lanes_per_row": 32, "persistent": True, "merged_moments": False, "pushed_exchange": False,
-                "register_sum_steps": 0, "unchecked_whole_steps": False}
+                "register_sum_steps": 0, "unchecked_whole_steps": False, "sum_chains": 1}
     assert frozen({**incumbent, **defaults}) in gpu.timed_knobs(key, 1024, "bfloat16")
 
 

@@ -31,7 +31,7 @@ def fake_ms(knobs: dict) -> float:
             + 0.03 * abs(math.log2(knobs["warps_m"]) - 1) + 0.01 * (knobs["bytes_per_ldg"] != 16)
             + 0.003 * abs(knobs["stages"] - 3) + 0.0005 * knobs["stages"] + 0.001 * knobs["min_ctas_per_sm"]
             + 0.0003 * (not knobs["cache_weights"]) + 0.0001 * knobs["smem_accumulators"]
-            + 0.00003 * (not knobs["recompute"]))
+            + 0.00003 * (not knobs["recompute"]) + 0.00001 * (knobs.get("sum_chains", 1) - 1))
 
 
 def frozen(knobs: dict) -> tuple:

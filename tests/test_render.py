@@ -48,7 +48,8 @@ def test_missing_trait_is_an_error():
 
 def test_kernel_dir_holds_the_sources():
     assert {p.name for p in kernel_dir().glob("*.cu*")} >= {"cunorm_common.cuh", "norm_traits.cuh", "norm_rows.cuh",
-                                                          "row_reducer.cuh", "norm_fwd.cu", "norm_bwd.cu"}
+                                                          "row_reducer.cuh", "column_sums.cuh", "norm_fwd.cu",
+                                                          "norm_bwd.cu"}
 
 
 def test_a_checkout_renders_its_own_kernels():

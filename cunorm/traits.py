@@ -118,7 +118,7 @@ class Traits:
     sum_chains: (forward) a thread's row sums (the mean's, the squares') in 1, 2 or 4 independent chains of
       adds, element e of each vector into chain e % sum_chains, added pairwise at the end (at most
       elts_per_ldg): shorter dependent chains where few warps an SM hide the adds' latency, more registers.
-      Other chains add in another order: other rounding, within the same tolerances.
+      Other chains add in another order: other rounding (the fold keeps subnormal sums of squares).
     has_weight / has_bias: whether gamma / beta are present.
     rms: RMSNorm (no mean) rather than LayerNorm; with has_bias, y = xhat * w + b.
     has_residual: forward: x + residual is normalized and stored; backward:

@@ -69,21 +69,25 @@ constexpr int SMEM_BYTES = RowPipe<input_t>::BYTES + RowPipe<residual_t, HAS_RES
                            RowWeights<bias1_t, HAS_BIAS1>::BYTES;
 static_assert(SMEM_BYTES == ${SMEM_BYTES}, "cunorm.Traits.smem_bytes disagrees with the kernel");
 
-// A thread's running row sum in SUM_CHAINS chains (norm_traits.cuh). Chain 0 starts from the value given, so with
-// one chain the adds are a single running sum's, as they were before the knob.
+// A thread's running row sum in SUM_CHAINS chains (norm_traits.cuh). Chain 0 is the total itself, so with one
+// chain the adds are the single running sum's they were before the knob. fold() adds the other chains into it,
+// pairwise, with IEEE adds: the kernels build with -ftz, and a plain add would flush a chain's subnormal sum of
+// squares (rows of tiny values, eps = 0) that cn_fma_keep_subnormal kept.
 struct SumChains {
-  compute_t chain[SUM_CHAINS];
-  __device__ __forceinline__ explicit SumChains(compute_t first) {
-    chain[0] = first;
+  compute_t& first;
+  compute_t rest[SUM_CHAINS > 1 ? SUM_CHAINS - 1 : 1];
+  __device__ __forceinline__ explicit SumChains(compute_t& total) : first(total) {
 #pragma unroll
-    for (int c = 1; c < SUM_CHAINS; ++c) chain[c] = 0;
+    for (int c = 0; c < SUM_CHAINS - 1; ++c) rest[c] = 0;
   }
   // Element e of a vector adds into chain e % SUM_CHAINS.
-  __device__ __forceinline__ compute_t& operator[](int e) { return chain[e % SUM_CHAINS]; }
-  __device__ __forceinline__ compute_t total() const {  // pairwise: (c0 + c1) + (c2 + c3)
-    if constexpr (SUM_CHAINS == 4) return (chain[0] + chain[1]) + (chain[2] + chain[3]);
-    else if constexpr (SUM_CHAINS == 2) return chain[0] + chain[1];
-    else return chain[0];
+  __device__ __forceinline__ compute_t& operator[](int e) {
+    return e % SUM_CHAINS == 0 ? first : rest[e % SUM_CHAINS - 1];
+  }
+  __device__ __forceinline__ void fold() {  // (c0 + c1) + (c2 + c3)
+    auto add = [](compute_t a, compute_t b) { return cn_fma_keep_subnormal(b, compute_t(1), a); };
+    if constexpr (SUM_CHAINS == 4) first = add(add(first, rest[0]), add(rest[1], rest[2]));
+    else if constexpr (SUM_CHAINS == 2) first = add(first, rest[0]);
   }
 };
 
@@ -241,7 +245,7 @@ norm_fwd(const input_t* x, const residual_t* residual, const weight_t* __restric
       for (int it = 0; it < LDGS; ++it)
 #pragma unroll
         for (int e = 0; e < ELTS_PER_LDG; ++e) row_sum[e] += value(it, e);
-      sum[0] = row_sum.total();
+      row_sum.fold();
       if constexpr (MERGED_MOMENTS) {
         if_merged([&](auto) {
           with_edges(at, [&](auto edges) {
@@ -275,7 +279,7 @@ norm_fwd(const input_t* x, const residual_t* residual, const weight_t* __restric
       constexpr bool SQUARE = decltype(square)::value;
       constexpr bool BOTH = sizeof(total) == 2 * sizeof(compute_t);
       static_assert(!BOTH || SQUARE, "deviations beside their squares");
-      SumChains first(total[0]), second(total[BOTH]);  // second: the deviations themselves (BOTH)
+      SumChains first(total[0]), second(total[BOTH]);  // second: the deviations themselves (BOTH only)
       auto add = [&](int e, compute_t d) {
         first[e] = SQUARE ? cn_fma_keep_subnormal(d, d, first[e]) : first[e] + d;
         if constexpr (BOTH) second[e] += d;
@@ -299,8 +303,8 @@ norm_fwd(const input_t* x, const residual_t* residual, const weight_t* __restric
           }
         }
       });
-      total[0] = first.total();
-      if constexpr (BOTH) total[BOTH] = second.total();
+      first.fold();
+      if constexpr (BOTH) second.fold();
       reducer.template allreduce<decltype(row_only)::value, decltype(across_cluster)::value>(total, at);
     };
     compute_t sq[1] = {0};

@@ -16,7 +16,8 @@ pytestmark = pytest.mark.gpu
 # chain), fp16 aligned rows with fp32 weights, fp64.
 CASES = [
     ("layer_norm", 32769, "bfloat16", "bfloat16", dict(warps_n=4, ctas_per_row=8, bytes_per_ldg=8, stages=2,
-                                                       pushed_exchange=True, unchecked_whole_steps=True), {}),
+                                                       cache_weights=False, pushed_exchange=True,
+                                                       unchecked_whole_steps=True), {}),
     ("layer_norm", 4097, "bfloat16", "float32", dict(warps_n=4, bytes_per_ldg=8, stages=3), dict(layout="offset:3")),
     ("layer_norm", 769, "float16", "bfloat16", dict(warps_m=4, bytes_per_ldg=8, stages=1, persistent=False,
                                                     min_ctas_per_sm=4), dict(out_dtype="float32")),
@@ -56,7 +57,7 @@ def test_sum_chains_pass_the_check(op, n, dtype, weight, knobs, fields):
 @pytest.mark.parametrize("rms", [False, True])
 def test_a_rows_result_is_its_own(rms, rng):
     """The same 37 rows alone and as the last rows of a call of 300 give the same bits with 4 chains (the
-    chains split a thread's elements, never rows), and a row of large offset keeps LayerNorm's accuracy."""
+    chains split a thread's elements, never rows); a row far from zero mean keeps its statistics."""
     import cupy
 
     import cunorm
@@ -84,3 +85,33 @@ def test_a_rows_result_is_its_own(rms, rng):
     assert float(whole[-1][-1]) == pytest.approx(rstd, rel=1e-5)
     if not rms:
         assert float(whole[1][-1]) == pytest.approx(mean, rel=1e-6)
+
+
+@pytest.mark.parametrize("sum_chains", [2, 4])
+@pytest.mark.parametrize("op", ["layer_norm", "rms_norm"])
+@pytest.mark.parametrize("n, knobs", [(128, dict(warps_m=4, bytes_per_ldg=16, stages=1)),
+                                      (4097, dict(warps_n=4, bytes_per_ldg=16, stages=2))])
+def test_rows_scaled_by_1e19_to_1e_18_keep_their_statistics(n, knobs, op, sum_chains, rng, poisoned):
+    """fp32 rows scaled per row by 1, 1e18, 1e19 or 1e-18, eps = 0 (as tests/test_gpu_range.py, here with the
+    chains forced): the squares of the 1e-18 rows are subnormal, and the chains' fold must keep them (the
+    kernels flush subnormals in plain adds), the overflowing rows take the scaled second sum; mean and rstd
+    within 2e-6 of float64 on every kind of row, y within fp32's tolerance."""
+    import cupy
+
+    import cunorm
+    from cunorm import reference
+
+    m = 67
+    base = (0.5 + 2.0 * rng.standard_normal((m, n))).astype(np.float32)
+    scales = rng.choice((1.0, 1e18, 1e19, 1e-18), size=m)
+    scales[:4] = (1.0, 1e18, 1e19, 1e-18)
+    x = cupy.asarray((base.astype(np.float64) * scales[:, None]).astype(np.float32))
+    w = cupy.asarray((1 + 0.5 * rng.standard_normal(n)).astype(np.float32))
+    y, *stats = getattr(cunorm, op)(x, w, eps=0.0, return_stats=True, out=poisoned(x.shape, np.float32),
+                                    traits={**knobs, "sum_chains": sum_chains})
+    ref = getattr(reference, op)(x, w, eps=0.0)
+    assert bool(cupy.isfinite(y).all()) and check.rel_l2(y, ref[0]) <= check.TOLERANCE["float32"]
+    for s in (1.0, 1e18, 1e19, 1e-18):
+        rows = cupy.asarray(scales == s)
+        for name, got, want in zip(("mean", "rstd") if op == "layer_norm" else ("rstd",), stats, ref[1:]):
+            assert check.rel_l2(got[rows], want[rows]) <= 2e-6, (s, name)

@@ -49,10 +49,16 @@ def collect(marker: str, paths: list[str], extra: list[str], allow_empty: bool =
 def pytest(ids: list[str], extra: list[str], log_path: Path) -> subprocess.Popen:
     """A pytest process running `ids`, logging to `log_path`."""
     log = open(log_path, "w")
-    cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", *extra, *ids]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-rfEs", "-p", "no:cacheprovider", *extra, *ids]
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     log.close()  # the child holds its own copy
     return proc
+
+
+def failures(log: str) -> list[str]:
+    """The FAILED / ERROR lines of a pytest log's short summary (-rfE), so that the tier's own output names
+    what failed: a device call may bring back only some of the shards' logs."""
+    return [line for line in log.splitlines() if line.startswith(("FAILED ", "ERROR "))]
 
 
 _COUNTS = re.compile(r"(\d+) (passed|failed|errors?|skipped|xfailed|xpassed)")
@@ -93,6 +99,8 @@ def main(argv=None) -> int:
         total += ran(text)
         tail = next((line for line in reversed(text.splitlines()) if line.strip()), "")
         print(f"{label}: {count} tests, exit {rc} after {time.monotonic() - t0:.0f} s: {tail}", flush=True)
+        for line in failures(text):
+            print(f"  {line}", flush=True)
         status = status or rc
 
     for run in runs:

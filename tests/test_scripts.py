@@ -74,6 +74,7 @@ def test_the_tier_shards_run_big_memory_tests_alone_after_the_others(tmp_path, m
     (tmp_path / "test_t.py").write_text((tmp_path / "test_t.py").read_text().replace(
         "def test_big():", "def test_big():\n    assert False"))
     assert shards.main(["--shards", "2", "--out", "out", "--paths", "."]) != 0
+    assert "  FAILED test_t.py::test_big" in capsys.readouterr().out  # the failure named in the output itself
 
 
 def test_the_ncu_source_page_summary_counts_opcodes_stalls_and_excess_per_kernel(tmp_path, capsys):

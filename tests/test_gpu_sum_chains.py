@@ -58,10 +58,12 @@ def test_sum_chains_pass_the_check(op, n, dtype, weight, knobs, fields):
 @pytest.mark.parametrize("rms", [False, True])
 def test_a_rows_result_is_its_own(rms, n, rng):
     """The same 37 rows alone and as the last rows of a call of 300 give the same bits with 4 chains (the
-    chains split a thread's elements, never rows); a row far from zero mean keeps its statistics. Aligned
-    rows are copied to a fresh allocation; general rows (N = 4097) are passed as the view of the last rows,
-    so each starts at the same offset as in the batch (the general kernel's lanes hold a row's elements at
-    an offset that depends on where it starts: README, batch invariance)."""
+    chains split a thread's elements, never rows). Alone, the rows are the last of a copy of the batch whose
+    other rows are NaN: each starts at the offset it has in the batch (the general kernel, N = 4097, holds a
+    row's elements by where it starts: README, batch invariance), and a row that read past its ends would
+    turn NaN. The last row sits near 1000 with a spread of a few units, where a one-pass E[x^2] - mean^2
+    loses the variance: its statistics against float64 (the precision of the sums is
+    test_sum_chains_pass_the_check's)."""
     import cupy
 
     import cunorm
@@ -70,6 +72,8 @@ def test_a_rows_result_is_its_own(rms, n, rng):
     case = check.Case("rms_norm" if rms else "layer_norm", n, 300, "bfloat16", "bfloat16", has_bias=not rms)
     x, w, _, _ = check._inputs(case, rng)
     x[-1] = (x[-1].astype(cupy.float32) + 1000).astype(x.dtype)  # far from zero mean
+    neighbours = x.copy()  # a fresh allocation: the same offsets modulo the vectors as x
+    neighbours[:-37] = cupy.nan
 
     def run(rows):
         if rms:
@@ -80,7 +84,7 @@ def test_a_rows_result_is_its_own(rms, n, rng):
         return cupy.asnumpy(a).view(np.uint16 if a.dtype.itemsize == 2 else np.uint32)
 
     with check.poisoned_allocations():
-        whole, alone = run(x), run(x[-37:].copy() if n % 8 == 0 else x[-37:])
+        whole, alone = run(x), run(neighbours[-37:])
     assert len(whole) == (2 if rms else 3)
     assert all((bits(a[-37:]) == bits(b)).all() for a, b in zip(whole, alone))
     h = cupy.asnumpy(x[-1]).astype(np.float64)

@@ -111,7 +111,7 @@ def candidates(hidden_size: int, dtype: str, backward: bool, arch: int = 90, rms
     twice the shapes there; a general key's rows never split so. Not the
     forward: its rows of 12-15 warps lost (version 41), and it screens each
     shape five ways."""
-    from .dispatch import cluster_offered
+    from .heuristic import cluster_offered
 
     job = Job.of(hidden_size, dtype, backward, rms, residual)
     call = job.call_fields()
@@ -182,14 +182,14 @@ def refinements(shape: Traits, arch: int = 90) -> list:
     if not shape.persistent:
         unstaged = _unstaged(shape, UNSTAGED_CAPS, arch, caches=(False, True))
         return _with_pushed_exchanges(_with_merged_moments(unstaged))
-    from .dispatch import _late_dgamma_registers
+    from .heuristic import late_dgamma_registers
 
     out = []
     for values in extra_combinations(shape.backward):
         try:
             # as dispatch runs it: a late-dgamma backward keeps its register cap (the table entry measured
             # one CTA an SM where dispatch ran two, LayerNorm fp32 2048 with a residual)
-            t = _late_dgamma_registers(shape.replace(**dict(zip(EXTRAS, values))))
+            t = late_dgamma_registers(shape.replace(**dict(zip(EXTRAS, values))))
             t.check_arch(arch)
         except ValueError:
             continue

@@ -228,7 +228,7 @@ class Traits:
                 value = self.input_dtype if present.get(field, True) else "float32"
             object.__setattr__(self, field, dtypes.name_of(value))
         if all(getattr(self, k) is None for k in KNOBS):
-            from .dispatch import heuristic  # dispatch builds on this module
+            from .heuristic import heuristic  # the heuristic builds on this module
 
             rest = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in KNOBS}
             derived = heuristic(**{k: v for k, v in rest.items() if k != "aligned_rows"},

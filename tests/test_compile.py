@@ -8,6 +8,7 @@ import pytest
 import cunorm
 from cunorm import Traits, compile_only, dispatch, tables
 from cunorm.compiler import parse_ptxas_log
+from cunorm.heuristic import heuristic
 
 pytestmark = pytest.mark.nvrtc
 
@@ -58,7 +59,7 @@ def test_every_shipped_entry_compiles_clean_for_the_call_it_was_measured_on(path
 def test_heuristic_sample_compiles():
     for n in (8, 40, 200, 1000, 1160, 4104, 7168, 24584):
         for backward in (False, True):
-            t = dispatch.heuristic(hidden_size=n, input_dtype="float16", weight_dtype="float32",
+            t = heuristic(hidden_size=n, input_dtype="float16", weight_dtype="float32",
                                    output_dtype="bfloat16", backward=backward)
             assert compile_only(t, 90).clean, t.short()
 
@@ -300,9 +301,9 @@ def test_wide_backward_keeps_its_column_sums_in_shared_memory(dtype):
         call = dict(input_dtype=dtype, backward=True, rms=rms, has_residual=residual, has_bias=has_bias,
                     residual_dtype=dtype if residual else None)
         for n, ctas in ((131072, 8), (262144, 16)):
-            t = dispatch.heuristic(hidden_size=n, **call)
+            t = heuristic(hidden_size=n, **call)
             assert t.ctas_per_row == ctas and t.smem_accumulators and compile_only(t, 90).clean, t.short()
-        assert dispatch.heuristic(hidden_size=98304, **call).ctas_per_row == 4
+        assert heuristic(hidden_size=98304, **call).ctas_per_row == 4
 
 
 @pytest.mark.parametrize("dtype, residual", [("bfloat16", None), ("bfloat16", "float32"), ("float32", None),

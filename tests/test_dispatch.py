@@ -5,6 +5,7 @@ import math
 import pytest
 
 from cunorm import Traits, dispatch, dtypes
+from cunorm.heuristic import heuristic
 from cunorm.traits import KNOBS, LANES_PER_ROW
 
 
@@ -56,7 +57,7 @@ def test_heuristic_covers_every_multiple_of_8(backward):
     # Up to 65536 backward (the widest row 8 CTAs of 256 threads hold); forward goes further.
     for n in list(range(8, 4097, 8)) + [8200, 12296, 40008, 65528] + ([] if backward else [65544, 100_000]):
         for dtype in ("float32", "bfloat16"):
-            t = dispatch.heuristic(hidden_size=n, input_dtype=dtype, weight_dtype=dtype, output_dtype=dtype,
+            t = heuristic(hidden_size=n, input_dtype=dtype, weight_dtype=dtype, output_dtype=dtype,
                                    backward=backward)
             assert t.hidden_size == n
             t.check_arch(90)
@@ -69,7 +70,7 @@ def test_heuristic_respects_older_gpus_limits(arch, backward):
     for n in range(8, 16385, 8):
         for dtype, out in (("bfloat16", "bfloat16"), ("float32", "bfloat16"), ("float32", "float32")):
             try:
-                t = dispatch.heuristic(hidden_size=n, input_dtype=dtype, weight_dtype=dtype, output_dtype=out,
+                t = heuristic(hidden_size=n, input_dtype=dtype, weight_dtype=dtype, output_dtype=out,
                                        backward=backward, arch=arch)
             except ValueError as e:
                 assert "x: hidden size" in str(e) and n > 4096, (n, dtype, e)
@@ -86,7 +87,7 @@ def test_pre_ampere_gpus_are_refused_clearly():
 
 
 def test_heuristic_without_clusters_uses_one_cta_per_row():
-    t = dispatch.heuristic(hidden_size=16384, input_dtype="bfloat16", weight_dtype="bfloat16",
+    t = heuristic(hidden_size=16384, input_dtype="bfloat16", weight_dtype="bfloat16",
                            output_dtype="bfloat16", arch=80)
     assert t.ctas_per_row == 1
 
@@ -153,15 +154,15 @@ def test_heuristic_shares_warps_between_short_rows(backward):
     and the tuned sizes keep whole warps; a staged CTA keeps at least 128 threads (the unstaged forward's
     shapes: test_heuristic_runs_short_rows_unstaged_sharing_warps)."""
     for n in (64, 128, 256):
-        t = dispatch.heuristic(hidden_size=n, input_dtype="bfloat16", backward=backward, rms=True, row_axes=3,
+        t = heuristic(hidden_size=n, input_dtype="bfloat16", backward=backward, rms=True, row_axes=3,
                                per_head=True, has_bias=False, unstaged=False)
         assert t.lanes_per_row < 32 and t.threads_per_cta >= 128 and t.elts_per_ldg * t.lanes_per_row <= n * 4
         if not backward:
-            assert dispatch.heuristic(hidden_size=n, input_dtype="bfloat16", rms=True, row_axes=3, per_head=True,
+            assert heuristic(hidden_size=n, input_dtype="bfloat16", rms=True, row_axes=3, per_head=True,
                                       has_bias=False).lanes_per_row < 32
     for n in (1024, 4096):
-        assert dispatch.heuristic(hidden_size=n, input_dtype="bfloat16", backward=backward).lanes_per_row == 32
-    assert dispatch.heuristic(hidden_size=100, input_dtype="bfloat16", aligned_rows=False,
+        assert heuristic(hidden_size=n, input_dtype="bfloat16", backward=backward).lanes_per_row == 32
+    assert heuristic(hidden_size=100, input_dtype="bfloat16", aligned_rows=False,
                               backward=backward).lanes_per_row == 32
     for n in dispatch.TUNED_SIZES:
         assert dispatch.choose(hidden_size=n, input_dtype="bfloat16", backward=backward)[0].lanes_per_row == 32
@@ -174,7 +175,7 @@ def test_narrow_loads_aim_at_the_bytes_of_full_ones(n, dtype, elts, backward):
     """Loads under 8 bytes (odd layouts, batch-invariant mode) aim at the bytes a thread of 16-byte loads
     moves: one CTA a row up to N = 4096 (measured on rows 13 elements apart: 0.22-0.64 of copy with the
     clusters a 4-load target took, 0.67-0.88 now), never fewer than 8 loads a thread."""
-    t = dispatch.heuristic(hidden_size=n, input_dtype=dtype, elts_per_ldg=elts, backward=backward)
+    t = heuristic(hidden_size=n, input_dtype=dtype, elts_per_ldg=elts, backward=backward)
     assert t.aligned_rows and t.elts_per_ldg == elts and t.ctas_per_row == 1 and t.ldgs >= 8
 
 
@@ -219,11 +220,11 @@ def test_heuristic_runs_plain_forwards_unstaged(dtype):
         # Other 2-byte rows: 8 warps, 3 CTAs an SM, where whole 4-element vectors give at most 56 a thread.
         wide = not served and itemsize == 2 and n % 1024 == 0 and n // 256 <= 56
         for rms in (False, True):
-            t = dispatch.heuristic(hidden_size=n, input_dtype=dtype, rms=rms, has_bias=not rms)
+            t = heuristic(hidden_size=n, input_dtype=dtype, rms=rms, has_bias=not rms)
             assert t.persistent != (served or wide), (n, rms)
             if wide:
                 assert (t.threads_per_cta, t.min_ctas_per_sm, t.elts_per_ldg, t.stages) == (256, 3, 4, 1)
-                assert dispatch.heuristic(hidden_size=n, input_dtype=dtype, rms=rms, has_bias=not rms,
+                assert heuristic(hidden_size=n, input_dtype=dtype, rms=rms, has_bias=not rms,
                                           arch=80).persistent  # sm_80: LayerNorm 14336 spilled
             elif served:
                 threads = max(64, 32 * warps)
@@ -232,24 +233,24 @@ def test_heuristic_runs_plain_forwards_unstaged(dtype):
                 assert t.min_ctas_per_sm == max(1, 65536 // (threads * regs)) and not t.cache_weights
     plain = dict(hidden_size=4096, input_dtype=dtype)
     wider = "float32" if itemsize == 2 else "float64"
-    wide = dispatch.heuristic(**plain, weight_dtype=wider, bias_dtype=wider)
+    wide = heuristic(**plain, weight_dtype=wider, bias_dtype=wider)
     assert not wide.persistent and wide.min_ctas_per_sm == 65536 // (wide.threads_per_cta * 80)
     # With a residual (two rows a thread): 32 bytes of x a thread, a 64-register cap.
-    res = dispatch.heuristic(**plain, has_residual=True, residual_dtype=dtype)
+    res = heuristic(**plain, has_residual=True, residual_dtype=dtype)
     warps = -(-4096 * itemsize // 32 // 32)
     assert not res.persistent and res.threads_per_cta == 32 * warps == (4096 // res.elts_per_thread)
     assert res.min_ctas_per_sm == 65536 // (res.threads_per_cta * 64)
     wide_rows = dict(hidden_size=16384 if itemsize == 2 else 8192, has_residual=True, residual_dtype=dtype)
-    assert dispatch.heuristic(**{**plain, **wide_rows}).persistent  # 32 warps a row with a residual: not served
+    assert heuristic(**{**plain, **wide_rows}).persistent  # 32 warps a row with a residual: not served
     # fp8 outputs take the same shape.
-    fp8 = dispatch.heuristic(**plain, has_residual=True, residual_dtype=dtype, output_dtype="float8_e4m3fn",
+    fp8 = heuristic(**plain, has_residual=True, residual_dtype=dtype, output_dtype="float8_e4m3fn",
                              quant="row")
     assert not fp8.persistent and fp8.knobs() == res.knobs()
     for other in (dict(backward=True), dict(dropout=True),
                   dict(x1_dtype=dtype), dict(weight1_dtype=dtype), dict(aligned_rows=False),
                   dict(hidden_size=512, has_residual=True, residual_dtype=dtype), dict(hidden_size=32768),
                   dict(elts_per_ldg=2)):
-        assert dispatch.heuristic(**{**plain, **other}).persistent, other
+        assert heuristic(**{**plain, **other}).persistent, other
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
@@ -259,7 +260,7 @@ def test_heuristic_runs_short_rows_unstaged_sharing_warps(dtype):
     itemsize = dtypes.itemsize(dtype)
     vector = 16 // itemsize
     for n, axes in itertools.product((32, 64, 96, 128, 256, 384, 512, 640), (1, 3)):
-        t = dispatch.heuristic(hidden_size=n, input_dtype=dtype, row_axes=axes)
+        t = heuristic(hidden_size=n, input_dtype=dtype, row_axes=axes)
         per_thread = (128 if axes == 1 else 32) // itemsize
         lanes = [k for k in LANES_PER_ROW if k * per_thread >= n and n % (k * vector) == 0]
         assert t.persistent == (not lanes), (n, axes)
@@ -269,9 +270,9 @@ def test_heuristic_runs_short_rows_unstaged_sharing_warps(dtype):
             assert t.min_ctas_per_sm == 65536 // (64 * (64 if held <= 64 else 128)) and not t.cache_weights
     # q/k heads of 128 bf16: 8 lanes of 16 elements; rows of a matrix: 4 lanes of 32.
     if dtype == "bfloat16":
-        assert dispatch.heuristic(hidden_size=128, input_dtype=dtype, row_axes=3).lanes_per_row == 8
-        assert dispatch.heuristic(hidden_size=128, input_dtype=dtype).lanes_per_row == 4
+        assert heuristic(hidden_size=128, input_dtype=dtype, row_axes=3).lanes_per_row == 8
+        assert heuristic(hidden_size=128, input_dtype=dtype).lanes_per_row == 4
     # A residual, a ragged width (200: no lane count divides it in whole vectors) or narrow loads: staged.
     for other in (dict(has_residual=True, residual_dtype=dtype), dict(hidden_size=200),
                   dict(elts_per_ldg=vector // 2)):
-        assert dispatch.heuristic(**{"hidden_size": 256, "input_dtype": dtype, **other}).persistent, other
+        assert heuristic(**{"hidden_size": 256, "input_dtype": dtype, **other}).persistent, other

@@ -2,6 +2,7 @@
 import pytest
 
 from cunorm import Traits, check, dispatch
+from cunorm.heuristic import heuristic
 
 
 def test_kernels_compile_once_under_concurrent_requests(monkeypatch):
@@ -37,7 +38,7 @@ def test_a_spilling_unstaged_pick_falls_back_to_the_staged_heuristic():
     t, origin = dispatch.choose(arch=90, **call)
     assert origin == "heuristic" and not t.persistent and dispatch.may_fall_back(t, origin)
     plain = dispatch.fallback(90, **call)
-    assert plain.persistent and plain == dispatch.heuristic(arch=90, unstaged=False, **call)
+    assert plain.persistent and plain == heuristic(arch=90, unstaged=False, **call)
     persistent = dispatch.choose(arch=90, backward=True, **call)
     assert not dispatch.may_fall_back(persistent[0], "heuristic")
     # The checker's compile-only path replaces it as the GPU path does (plan._plan).
@@ -211,13 +212,13 @@ def test_sixteen_cta_clusters_only_for_backwards_whose_sums_then_fit():
     a backward that 8 CTAs serve, nor a backward too wide for 16 CTAs' shared memory (its last resorts
     stay)."""
     for n in (131072, 196608, 262144, 393216, 524288):
-        fwd = dispatch.heuristic(hidden_size=n, input_dtype="bfloat16")
+        fwd = heuristic(hidden_size=n, input_dtype="bfloat16")
         assert fwd.ctas_per_row <= 8, fwd.short()
     for n in (131072, 196608):
-        assert dispatch.heuristic(hidden_size=n, input_dtype="bfloat16", backward=True).ctas_per_row <= 8
-    wide = dispatch.heuristic(hidden_size=524288, input_dtype="bfloat16", backward=True)
+        assert heuristic(hidden_size=n, input_dtype="bfloat16", backward=True).ctas_per_row <= 8
+    wide = heuristic(hidden_size=524288, input_dtype="bfloat16", backward=True)
     assert wide.ctas_per_row <= 8, wide.short()
-    t = dispatch.heuristic(hidden_size=262144, input_dtype="bfloat16", backward=True, arch=100)
+    t = heuristic(hidden_size=262144, input_dtype="bfloat16", backward=True, arch=100)
     assert t.ctas_per_row <= 8, t.short()
 
 

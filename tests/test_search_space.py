@@ -5,6 +5,7 @@ import itertools
 import pytest
 
 from cunorm import search_space
+from cunorm.heuristic import cluster_offered, heuristic, late_dgamma_registers
 from cunorm.traits import ctas_for_registers
 
 
@@ -48,13 +49,11 @@ def test_backward_rows_with_an_odd_factor_are_offered_warp_counts_that_split_the
 
 def test_sixteen_cta_candidates_are_those_dispatch_offers():
     """16-CTA (non-portable) clusters: tried for sm_90 backwards whose column sums then fit shared memory, as
-    dispatch offers them; never for forwards, other GPUs or rows whose sums would not fit."""
-    from cunorm import dispatch
-
+    the heuristic offers them; never for forwards, other GPUs or rows whose sums would not fit."""
     wide = search_space.candidates(262144, "bfloat16", True)
     sixteen = [t for t in wide if t.ctas_per_row == 16]
-    assert sixteen and all(dispatch.cluster_offered(t, 90) for t in sixteen)
-    pick = dispatch.heuristic(hidden_size=262144, input_dtype="bfloat16", backward=True)  # 16 CTAs
+    assert sixteen and all(cluster_offered(t, 90) for t in sixteen)
+    pick = heuristic(hidden_size=262144, input_dtype="bfloat16", backward=True)  # 16 CTAs
     assert (16, pick.warps_n, pick.bytes_per_ldg) in {(t.ctas_per_row, t.warps_n, t.bytes_per_ldg) for t in wide}
     assert not any(t.ctas_per_row == 16 for t in search_space.candidates(262144, "bfloat16", False))
     assert not any(t.ctas_per_row == 16 for t in search_space.candidates(262144, "bfloat16", True, arch=100))
@@ -71,7 +70,7 @@ def test_refinements_are_what_dispatch_runs_for_a_late_dgamma_backward():
     extras = search_space.refinements(shape)
     late = [t for t in extras if t.late_dgamma and t.threads_per_cta in (128, 256)]
     assert late and all(t.min_ctas_per_sm > 1 for t in late)  # one CTA an SM is what dispatch raises
-    assert all(dispatch._late_dgamma_registers(t) == t for t in extras) and len(set(extras)) == len(extras)
+    assert all(late_dgamma_registers(t) == t for t in extras) and len(set(extras)) == len(extras)
 
 
 @pytest.mark.parametrize("n, warps, steps", [(12288, 8, [1, 3, 6, 9]), (2048, 4, [1, 2, 3]), (3072, 4, [1, 3, 4]),

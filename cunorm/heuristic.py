@@ -1,8 +1,9 @@
 """The heuristic: legal traits for any normalization call that no tuned table serves, derived from the call
 (hidden size, dtypes, flags, the vector widths its layout allows) and the GPU's architecture, with the costs
 and limits measured on H100s and H200s that steer it (`docs/PERFORMANCE.md`). Dispatch (`cunorm.dispatch`)
-asks it last, and for the fallback of a measured pick that spills; the tuner (`cunorm.search_space`) takes
-its cluster rule and register caps.
+asks it last, and for the fallback of a pick that spills or whose cluster the GPU does not hold; `Traits`
+asks it for a call given no knobs; the tuner (`cunorm.search_space`) takes its cluster rule and register
+caps.
 """
 from __future__ import annotations
 

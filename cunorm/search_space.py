@@ -128,7 +128,7 @@ def candidates(hidden_size: int, dtype: str, backward: bool, arch: int = 90, rms
         if wn not in powers and not t.full_tiles:
             continue  # a warp count beyond the powers of two only where the row splits evenly
         if not cluster_offered(t, arch):
-            continue  # as dispatch offers 16-CTA clusters (a GPU holding none fails to load them: dropped)
+            continue  # as the heuristic offers 16-CTA clusters (a GPU holding none fails to load them: dropped)
         # A general key serves calls dispatch runs on the general kernel: a load width dividing N runs the
         # aligned one, whose knobs dispatch would not take for them.
         if job.key.general and t.aligned_rows:

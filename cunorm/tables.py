@@ -4,7 +4,7 @@ Dispatch looks, in order, at the user's table for this GPU (written by
 `cunorm tune` to the user cache folder: $CUNORM_CACHE_DIR, else
 $XDG_CACHE_HOME/cunorm, else ~/.cache/cunorm), the table shipped for this GPU
 model (cunorm/shipped_tables/*.json), the sm_90 literal in tuned.py, and the
-heuristic (`cunorm.dispatch.choose`). A table is JSON:
+heuristic (`cunorm.heuristic`); `cunorm.dispatch.choose` does the looking. A table is JSON:
 
     {"format": 1, "gpu": {"name": "NVIDIA H200", "cc": 90, "sms": 132},
      "cunorm": "0.1.0", "cuda": 13000,

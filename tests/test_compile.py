@@ -60,7 +60,7 @@ def test_heuristic_sample_compiles():
     for n in (8, 40, 200, 1000, 1160, 4104, 7168, 24584):
         for backward in (False, True):
             t = heuristic(hidden_size=n, input_dtype="float16", weight_dtype="float32",
-                                   output_dtype="bfloat16", backward=backward)
+                          output_dtype="bfloat16", backward=backward)
             assert compile_only(t, 90).clean, t.short()
 
 

@@ -58,7 +58,7 @@ def test_heuristic_covers_every_multiple_of_8(backward):
     for n in list(range(8, 4097, 8)) + [8200, 12296, 40008, 65528] + ([] if backward else [65544, 100_000]):
         for dtype in ("float32", "bfloat16"):
             t = heuristic(hidden_size=n, input_dtype=dtype, weight_dtype=dtype, output_dtype=dtype,
-                                   backward=backward)
+                          backward=backward)
             assert t.hidden_size == n
             t.check_arch(90)
 
@@ -71,7 +71,7 @@ def test_heuristic_respects_older_gpus_limits(arch, backward):
         for dtype, out in (("bfloat16", "bfloat16"), ("float32", "bfloat16"), ("float32", "float32")):
             try:
                 t = heuristic(hidden_size=n, input_dtype=dtype, weight_dtype=dtype, output_dtype=out,
-                                       backward=backward, arch=arch)
+                              backward=backward, arch=arch)
             except ValueError as e:
                 assert "x: hidden size" in str(e) and n > 4096, (n, dtype, e)
                 continue
@@ -88,7 +88,7 @@ def test_pre_ampere_gpus_are_refused_clearly():
 
 def test_heuristic_without_clusters_uses_one_cta_per_row():
     t = heuristic(hidden_size=16384, input_dtype="bfloat16", weight_dtype="bfloat16",
-                           output_dtype="bfloat16", arch=80)
+                  output_dtype="bfloat16", arch=80)
     assert t.ctas_per_row == 1
 
 
@@ -155,15 +155,15 @@ def test_heuristic_shares_warps_between_short_rows(backward):
     shapes: test_heuristic_runs_short_rows_unstaged_sharing_warps)."""
     for n in (64, 128, 256):
         t = heuristic(hidden_size=n, input_dtype="bfloat16", backward=backward, rms=True, row_axes=3,
-                               per_head=True, has_bias=False, unstaged=False)
+                      per_head=True, has_bias=False, unstaged=False)
         assert t.lanes_per_row < 32 and t.threads_per_cta >= 128 and t.elts_per_ldg * t.lanes_per_row <= n * 4
         if not backward:
             assert heuristic(hidden_size=n, input_dtype="bfloat16", rms=True, row_axes=3, per_head=True,
-                                      has_bias=False).lanes_per_row < 32
+                             has_bias=False).lanes_per_row < 32
     for n in (1024, 4096):
         assert heuristic(hidden_size=n, input_dtype="bfloat16", backward=backward).lanes_per_row == 32
     assert heuristic(hidden_size=100, input_dtype="bfloat16", aligned_rows=False,
-                              backward=backward).lanes_per_row == 32
+                     backward=backward).lanes_per_row == 32
     for n in dispatch.TUNED_SIZES:
         assert dispatch.choose(hidden_size=n, input_dtype="bfloat16", backward=backward)[0].lanes_per_row == 32
 
@@ -225,7 +225,7 @@ def test_heuristic_runs_plain_forwards_unstaged(dtype):
             if wide:
                 assert (t.threads_per_cta, t.min_ctas_per_sm, t.elts_per_ldg, t.stages) == (256, 3, 4, 1)
                 assert heuristic(hidden_size=n, input_dtype=dtype, rms=rms, has_bias=not rms,
-                                          arch=80).persistent  # sm_80: LayerNorm 14336 spilled
+                                 arch=80).persistent  # sm_80: LayerNorm 14336 spilled
             elif served:
                 threads = max(64, 32 * warps)
                 regs = 48 if itemsize == 2 and n <= 16 * threads else 64
@@ -244,7 +244,7 @@ def test_heuristic_runs_plain_forwards_unstaged(dtype):
     assert heuristic(**{**plain, **wide_rows}).persistent  # 32 warps a row with a residual: not served
     # fp8 outputs take the same shape.
     fp8 = heuristic(**plain, has_residual=True, residual_dtype=dtype, output_dtype="float8_e4m3fn",
-                             quant="row")
+                    quant="row")
     assert not fp8.persistent and fp8.knobs() == res.knobs()
     for other in (dict(backward=True), dict(dropout=True),
                   dict(x1_dtype=dtype), dict(weight1_dtype=dtype), dict(aligned_rows=False),

@@ -16,7 +16,7 @@ import threading
 from dataclasses import dataclass, field
 
 from .source import render
-from .traits import PORTABLE_CLUSTER
+from .traits_rules import PORTABLE_CLUSTER
 
 # -default-device: the kernels hold no host code, and their generic lambdas
 # (templated call operators, e.g. with_edges's) must compile as device code.

@@ -16,7 +16,8 @@ from __future__ import annotations
 from . import dtypes
 from .compiler import ClusterNotResident
 from .heuristic import UNSTAGED_EXCLUDED_FIELDS, has_wide_weights, heuristic, late_dgamma_registers
-from .traits import CLUSTER_MIN_ARCH, KNOB_DEFAULTS, KNOBS, Traits
+from .traits import KNOB_DEFAULTS, KNOBS, Traits
+from .traits_rules import CLUSTER_MIN_ARCH
 from .tuned import TUNED, TUNED_ARCH, TUNED_GENERAL  # the measured tables, a literal of their own
 
 # Hidden sizes with tuned entries (both directions, every input dtype).

@@ -8,7 +8,8 @@ from . import dispatch, dtypes, layout, norm, plan
 from .compiler import arch_number, device_arch, device_gpu
 from .norm import calls, plans
 from .source import check_source
-from .traits import PORTABLE_CLUSTER, Traits
+from .traits import Traits
+from .traits_rules import PORTABLE_CLUSTER
 
 OPS = {"layer_norm": (norm.layer_norm, False, False), "rms_norm": (norm.rms_norm, True, False),
        "layer_norm_backward": (norm.layer_norm_backward, False, True),

@@ -11,10 +11,14 @@ import itertools
 import math
 
 from . import dtypes
-from .traits import (CLUSTER_MIN_ARCH, CTAS_PER_ROW_CHOICES, DEFAULT_SMEM_LIMIT, KNOB_DEFAULTS, LANES_PER_ROW,
-                     PORTABLE_CLUSTER, PREFERRED_ELTS_PER_THREAD, REGISTERS_PER_SM, SMEM_LIMIT, THREADS_PER_WARP,
-                     Traits, ctas_for_registers)
+from .traits import KNOB_DEFAULTS, Traits
+from .traits_rules import (CLUSTER_MIN_ARCH, CTAS_PER_ROW_CHOICES, DEFAULT_SMEM_LIMIT, LANES_PER_ROW, PORTABLE_CLUSTER,
+                           REGISTERS_PER_SM, SMEM_LIMIT, THREADS_PER_WARP, ctas_for_registers)
 
+# Elements of a row a thread holds in registers that the heuristic stays within when it can (the hard cap:
+# traits_rules.MAX_ELTS_PER_THREAD), keyed by "holds two rows" (the backward's x and dy, or the forward's fp32
+# residual sum beside x).
+PREFERRED_ELTS_PER_THREAD = {False: 64, True: 32}
 # The heuristic aims for this many vector loads of x per thread: enough bytes
 # in flight per thread, few enough registers for several CTAs per SM.
 TARGET_LDGS = {False: 4, True: 4}

@@ -10,7 +10,8 @@ import itertools
 
 from . import dtypes, tables
 from .check import SHORT_NAMES
-from .traits import CTAS_PER_ROW_CHOICES, Traits, ctas_for_registers
+from .traits import Traits
+from .traits_rules import CTAS_PER_ROW_CHOICES, ctas_for_registers
 
 SHAPES = dict(ctas_per_row=CTAS_PER_ROW_CHOICES, warps_n=(1, 2, 4, 8, 16, 32), warps_m=(1, 2, 4, 8), bytes_per_ldg=(16, 8),
               lanes_per_row=(32, 16, 8, 4))

@@ -3,38 +3,19 @@ forward and backward).
 
 `Traits` mirrors `kernels/norm_traits.cuh` one-to-one: the same independent
 knobs and flags, the same derived quantities, and every static_assert of the
-kernels re-stated as a ValueError that names the rule, so illegal traits fail
-in Python before anything is compiled or launched.
+kernels re-stated as a ValueError that names the rule (`cunorm.traits_rules`,
+which a Traits runs when made), so illegal traits fail in Python before
+anything is compiled or launched.
 """
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
 
-from . import dtypes
-
-THREADS_PER_WARP = 32
-MAX_THREADS_PER_CTA = 1024
-REGISTERS_PER_SM = 65536
+from . import dtypes, traits_rules
+from .traits_rules import MAX_ELTS_PER_THREAD, QUANT_MODES, REGISTERS_PER_SM, THREADS_PER_WARP
 
 
-def ctas_for_registers(threads_per_cta: int, registers: int) -> int:
-    """MIN_CTAS_PER_SM that caps a thread of a `threads_per_cta` CTA at about `registers` registers."""
-    return max(1, REGISTERS_PER_SM // (threads_per_cta * registers))
-# Elements of a row one thread holds in registers: a hard cap, and what the
-# heuristic stays within when it can (above it the compiler spills; the compile
-# tier checks every tuned entry), keyed by "holds two rows" (the backward's x
-# and dy, or the forward's fp32 residual sum beside x).
-MAX_ELTS_PER_THREAD = 64  # the general kernel may hold one vector more (see Traits.max_elts_per_thread)
-PREFERRED_ELTS_PER_THREAD = {False: 64, True: 32}
-SMEM_LIMIT = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}  # per CTA, by arch
-DEFAULT_SMEM_LIMIT = 99 * 1024
-CLUSTER_MIN_ARCH = 90
-# CTAs a row may span: a thread-block cluster of up to PORTABLE_CLUSTER, or 16 (non-portable: the compiler
-# allows it per kernel before launch; fewer such clusters may be resident, where GPCs are smaller).
-PORTABLE_CLUSTER = 8
-CTAS_PER_ROW_CHOICES = (1, 2, 4, 8, 16)
-MIN_ARCH = 80  # cp.async and the bf16/f16x2 conversion instructions
 # The independent knobs: launch shape and research levers (what tuning varies and `traits=` may force).
 KNOBS = ("warps_m", "warps_n", "ctas_per_row", "bytes_per_ldg", "stages", "cache_weights", "min_ctas_per_sm",
          "smem_accumulators", "recompute", "lanes_per_row", "persistent", "merged_moments", "pushed_exchange",
@@ -46,15 +27,12 @@ KNOB_DEFAULTS = dict(warps_m=1, warps_n=1, ctas_per_row=1, bytes_per_ldg=16, sta
                      unchecked_whole_steps=False, sum_chains=1)
 LATE_DGAMMA_MAX_ELTS = 16  # see Traits.late_dgamma
 REFINE_MIN_OFFSET = 4.0  # REFINE_MEAN refines rows whose mean lies this many std or more from zero
-LANES_PER_ROW = (4, 8, 16, 32)  # lanes of a warp sharing a row: below 32, a warp holds several (short) rows
 # The backward's finalize kernel: warps per CTA (each sums a slice of the partial
 # rows), and the CTAs its grid should have at least where rows are narrow (a CTA's
 # columns: 4 to 32 lanes side by side, x 4 neighbours, or 1 when N % 4 != 0;
 # `Traits.finalize_col_lanes`).
 FINALIZE_WARPS = 16
 FINALIZE_LEAST_CTAS = 128
-QUANT_MODES = ("none", "tensor", "row", "group")  # fp8 output scalings, as kernels/norm_fwd.cu numbers them
-QUANT_GROUP_COLS = 128
 DTYPE_FIELDS = ("input_dtype", "weight_dtype", "bias_dtype", "output_dtype", "residual_dtype",
                 "residual_out_dtype", "compute_dtype")
 OPTIONAL_DTYPE_FIELDS = ("rowscale_dtype", "dx0_dtype", "x1_dtype", "weight1_dtype", "bias1_dtype", "dx1_dtype")
@@ -454,10 +432,6 @@ class Traits:
         limit bounds."""
         return self.smem_bytes + self.static_smem_bytes
 
-    def _smem_words(self) -> str:
-        """The shared memory a CTA takes, in words for an error."""
-        return f"{self.smem_bytes} bytes of dynamic and up to {self.static_smem_bytes} of static shared memory"
-
     @property
     def source_file(self) -> str:
         """The kernels/ file these traits render."""
@@ -492,101 +466,13 @@ class Traits:
     def uses_cluster(self) -> bool:
         return self.ctas_per_row > 1
 
-    # -- the kernels' static_asserts ---------------------------------------
+    # -- the kernels' static_asserts (cunorm.traits_rules) ------------------
     def _check(self):
-        def rule(ok: bool, message: str):
-            if not ok:
-                raise ValueError(f"illegal traits {self.short()}: {message}")
-
-        rule(isinstance(self.hidden_size, int) and self.hidden_size >= 1, "hidden_size must be a positive int")
-        rule(self.compute_dtype == dtypes.compute_dtype(self.input_dtype),
-             f"compute_dtype must be {dtypes.compute_dtype(self.input_dtype)} for {self.input_dtype} x "
-             f"(float64 exactly for float64 x)")
-        rule(self.warps_m >= 1 and self.warps_n >= 1, "WARPS_M and WARPS_N must be >= 1")
-        rule(self.threads_per_cta <= MAX_THREADS_PER_CTA, "at most 1024 threads per CTA (WARPS_M * WARPS_N * 32)")
-        rule(self.bytes_per_ldg in (2, 4, 8, 16), "BYTES_PER_LDG must be 2, 4, 8 or 16")
-        rule(self.bytes_per_ldg % dtypes.itemsize(self.input_dtype) == 0,
-             "BYTES_PER_LDG must hold whole input elements")
-        rule(not self.aligned_rows or self.hidden_size % self.elts_per_ldg == 0,
-             f"aligned rows must be whole vectors long: the hidden size must be a multiple of the elements per "
-             f"load ({self.elts_per_ldg})")
-        rule(self.ctas_per_row in CTAS_PER_ROW_CHOICES,
-             "CTAS_PER_ROW must be 1, 2, 4, 8 (a portable cluster) or 16 (a non-portable one: the GPU "
-             "may hold none, and then the kernel cannot load)")
-        rule(self.ctas_per_row == 1 or self.warps_m == 1, "several CTAs per row need WARPS_M == 1")
-        rule(self.warps_n == 1 or self.warps_m < 16, "rows of several warps need WARPS_M < 16 (a named barrier each)")
-        rule(self.lanes_per_row in LANES_PER_ROW, "LANES_PER_ROW must be 4, 8, 16 or 32")
-        rule(self.lanes_per_row == THREADS_PER_WARP or (self.warps_n == 1 and self.ctas_per_row == 1),
-             "several rows a warp (LANES_PER_ROW < 32) need WARPS_N == 1 and CTAS_PER_ROW == 1")
-        rule(self.lanes_per_row == THREADS_PER_WARP or self.aligned_rows,
-             "several rows a warp (LANES_PER_ROW < 32) need aligned rows")
-        rule(self.elts_per_thread <= self.max_elts_per_thread,
-             f"{self.elts_per_thread} elements per thread exceed the register budget of {self.max_elts_per_thread}")
-        rule(1 <= self.stages <= 8, "STAGES must be 1..8")
-        rule(self.persistent or (not self.backward and self.stages == 1),
-             "a grid of a CTA per row group (PERSISTENT = false) is a forward of one stage")
-        rule(self.stages == 1 or all(self.elts_per_ldg * dtypes.itemsize(d) >= 4 for d in self.staged_dtypes),
-             "staged rows need vectors of >= 4 bytes of every staged row tensor (cp.async moves 4-16 bytes)")
-        rule(self.row_axes in (1, 3), "ROW_AXES must be 1 or 3")
-        rule(self.row_axes == 1 or self.aligned_rows, "rows through three leading axes must be aligned rows")
-        rule(not self.per_head or not self.cache_weights, "per-head weights are read per row, not held "
-             "(cache_weights must be False)")
-        rule(self.backward or not self.from_output, "from_output is a backward flag")
-        rule(not self.grid_finalize or (self.backward and (self.has_weight or self.has_bias)),
-             "GRID_FINALIZE needs column sums (a backward with a weight or a bias)")
-        rule(not self.grid_finalize or self.ctas_per_row == 1,
-             "GRID_FINALIZE needs CTAS_PER_ROW == 1 (a cooperative grid of whole-row CTAs, no clusters)")
-        rule(not self.dropout_mask or (self.dropout and not self.backward), "a dropout mask needs a forward's dropout")
-        rule((self.dx0_dtype is not None) == (self.backward and self.branch),
-             "dx0_dtype is given exactly for a backward with dropout or a row scale")
-        rule(not self.branch or self.quant == "none", "dropout and a row scale: not with fp8 outputs (yet)")
-        rule(not self.backward or self.x1_dtype is None, "x1_dtype is a forward field (the backward: dx1_dtype)")
-        rule(self.x1_dtype is None or self.rowscale_dtype is None, "x1: not with a row scale")
-        rule((self.dx1_dtype is not None) <= (self.backward and self.dropout),
-             "dx1_dtype is given only for a backward with dropout")
-        rule(self.bias1_dtype is None or self.parallel, "a second bias needs a second weight")
-        rule(not self.parallel or (self.quant == "none" and not self.per_head),
-             "a second weight: not with fp8 outputs or per-head weights")
-        fp8 = self.output_dtype in dtypes.FP8_NAMES and not self.backward
-        rule(self.quant in QUANT_MODES, f"QUANT must be one of {', '.join(QUANT_MODES)}")
-        rule(fp8 == (self.quant != "none"), "an fp8 output (forward) needs a scaling (quant), and only it has one")
-        rule(not self.amax or fp8, "amax is kept for fp8 outputs only")
-        rule(not fp8 or self.compute_dtype == "float32", "fp8 outputs are of fp32, fp16 or bf16 x")
-        rule(self.quant != "group" or (self.aligned_rows and self.hidden_size % QUANT_GROUP_COLS == 0
-                                       and 4 <= self.elts_per_ldg and QUANT_GROUP_COLS % self.elts_per_ldg == 0
-                                       and QUANT_GROUP_COLS // self.elts_per_ldg <= self.lanes_per_row),
-             "128-column scaling needs aligned rows, N a multiple of 128, loads of >= 4 elements and a group's "
-             "lanes within a row's")
-        rule(not self.zero_centered or self.has_weight, "a zero-centered weight needs a weight")
-        rule(1 <= self.min_ctas_per_sm and self.min_ctas_per_sm * self.threads_per_cta <= 2048,
-             "MIN_CTAS_PER_SM must be >= 1 and fit 2048 threads per SM")
-        rule(self.smem_footprint <= SMEM_LIMIT[90], f"{self._smem_words()} exceed 227 KB")
-        rule(self.backward or not self.smem_accumulators, "smem_accumulators is a backward knob")
-        rule(self.backward or self.recompute, "recompute is a backward knob")
-        rule(type(self.register_sum_steps) is int and self.register_sum_steps >= 0  # (not a bool: it renders as one)
-             and (self.register_sum_steps == 0 or (self.smem_accumulators and self.register_sum_steps < self.ldgs)),
-             f"register_sum_steps must be 0, or with smem_accumulators 1 .. ldgs - 1 ({self.ldgs - 1})")
-        rule(not self.merged_moments or (not self.backward and not self.rms and self.ctas_per_row > 1),
-             "merged_moments is a knob of LayerNorm forwards of cluster rows (ctas_per_row > 1)")
-        rule(type(self.unchecked_whole_steps) is bool, "unchecked_whole_steps must be True or False")
-        rule(type(self.sum_chains) is int and (self.sum_chains == 1 or (  # (not a bool: it renders as one)
-            self.sum_chains in (2, 4) and not self.backward and self.sum_chains <= self.elts_per_ldg)),
-             f"sum_chains must be 1, or for a forward 2 or 4, at most elts_per_ldg ({self.elts_per_ldg})")
-        rule(not self.pushed_exchange or self.ctas_per_row > 1, "pushed_exchange is a knob of cluster rows "
-             "(ctas_per_row > 1)")
+        traits_rules.check(self)
 
     def check_arch(self, arch: int):
-        """Rules that depend on the GPU: sm_80 or newer; clusters need sm_90;
-        shared memory within the GPU's per-CTA limit."""
-        if arch < MIN_ARCH:
-            raise ValueError(f"illegal traits {self.short()}: the normalization kernels need sm_{MIN_ARCH} or newer "
-                             f"(cp.async, bf16 conversions), not sm_{arch}")
-        if self.uses_cluster and arch < CLUSTER_MIN_ARCH:
-            raise ValueError(f"illegal traits {self.short()}: CTAS_PER_ROW > 1 needs thread-block clusters "
-                             f"(sm_{CLUSTER_MIN_ARCH} or newer), not sm_{arch}")
-        limit = SMEM_LIMIT.get(arch, DEFAULT_SMEM_LIMIT)
-        if self.smem_footprint > limit:
-            raise ValueError(f"illegal traits {self.short()}: {self._smem_words()} exceed sm_{arch}'s {limit}")
+        """Rules that depend on the GPU (traits_rules.check_arch)."""
+        traits_rules.check_arch(self, arch)
 
     # -- presentation -------------------------------------------------------
     def replace(self, **changes) -> "Traits":

@@ -6,7 +6,8 @@ import pytest
 
 from cunorm import Traits, dispatch, dtypes
 from cunorm.heuristic import heuristic
-from cunorm.traits import KNOBS, LANES_PER_ROW
+from cunorm.traits import KNOBS
+from cunorm.traits_rules import LANES_PER_ROW
 
 
 @pytest.mark.parametrize("backward", [False, True])

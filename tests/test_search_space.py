@@ -6,7 +6,7 @@ import pytest
 
 from cunorm import search_space
 from cunorm.heuristic import cluster_offered, heuristic, late_dgamma_registers
-from cunorm.traits import ctas_for_registers
+from cunorm.traits_rules import ctas_for_registers
 
 
 def test_plan_one_job_per_key_and_says_what_shares_one():

@@ -177,7 +177,7 @@ def test_the_shared_memory_rule_counts_the_static_scratch_too(monkeypatch):
     """The driver refuses a launch whose dynamic and static shared memory together pass the GPU's per-CTA
     limit: the rule counts both (a forced shape within a few hundred bytes of the limit gets the rule's error
     naming its knobs, not the driver's at load), on every arch."""
-    from cunorm import traits as traits_module
+    from cunorm import traits_rules
 
     t = Traits(hidden_size=16384, input_dtype="bfloat16", backward=True, warps_n=16, ctas_per_row=2, stages=1,
                smem_accumulators=True, pushed_exchange=True)
@@ -188,12 +188,12 @@ def test_the_shared_memory_rule_counts_the_static_scratch_too(monkeypatch):
     assert t.replace(rms=True).row_sums == 1
     assert t.replace(pushed_exchange=False).static_smem_bytes < t.static_smem_bytes
     assert t.smem_bytes > 0 and fits.smem_bytes > 0
-    monkeypatch.setitem(traits_module.SMEM_LIMIT, 90, t.smem_bytes)  # the dynamic part alone fits exactly
+    monkeypatch.setitem(traits_rules.SMEM_LIMIT, 90, t.smem_bytes)  # the dynamic part alone fits exactly
     with pytest.raises(ValueError, match=r"WARPS_N=16 .*bytes of dynamic and up to \d+ of static shared memory"):
         t.replace(stages=1)
-    monkeypatch.setitem(traits_module.SMEM_LIMIT, 90, fits.smem_footprint)
+    monkeypatch.setitem(traits_rules.SMEM_LIMIT, 90, fits.smem_footprint)
     fits.replace(stages=1).check_arch(90)  # exactly at the limit: legal
-    monkeypatch.setitem(traits_module.SMEM_LIMIT, 80, fits.smem_footprint - 1)
+    monkeypatch.setitem(traits_rules.SMEM_LIMIT, 80, fits.smem_footprint - 1)
     with pytest.raises(ValueError, match="of static shared memory exceed sm_80"):
         fits.check_arch(80)
 

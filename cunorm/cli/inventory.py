@@ -64,7 +64,7 @@ def list_(arch, model, as_json):
     """The dispatch table: traits per hidden size, dtype and op (LayerNorm and RMSNorm, forward and backward)."""
     from ..sweeps import SHORT_NAMES
     from ..tables import shipped_gpus
-    from ..traits import MIN_ARCH
+    from ..traits_rules import MIN_ARCH
 
     gpu = None
     if model is not None:

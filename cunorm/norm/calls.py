@@ -30,7 +30,7 @@ FORWARD = Direction(("x", "weight", "bias", "residual", "out", "scale"), ("x", "
 # The arrays a call with a branch (dropout, a row scale) or the parallel block (x1, a second weight) names
 # after its direction's.
 BRANCH_ARRAYS = {"forward": ("rowscale", "x1", "weight1", "bias1"), "backward": ("rowscale", "dy1", "weight1")}
-SCALINGS = ("tensor", "row", "group")  # fp8 output scalings (traits.QUANT_MODES less "none")
+SCALINGS = ("tensor", "row", "group")  # fp8 output scalings (traits_rules.QUANT_MODES less "none")
 # The backward's "x" is y, the forward's output, in the memory-efficient form (`from_output`), which also
 # reads the forward's bias.
 BACKWARD = Direction(("dy", "x", "mean", "rstd", "weight", "dresidual", "out", "bias"),

@@ -12,7 +12,8 @@ import numpy as np
 
 from .. import dispatch, dtypes, layout, plan, scratch
 from ..launch import CallPlan, Launch, Output, span
-from ..traits import QUANT_GROUP_COLS, Traits
+from ..traits import Traits
+from ..traits_rules import QUANT_GROUP_COLS
 from .calls import BACKWARD, BRANCH_ARRAYS, FORWARD, Direction
 
 MAX_GRID_CTAS = 2**31 - 1  # gridDim.x

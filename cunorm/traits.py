@@ -13,7 +13,6 @@ import dataclasses
 from dataclasses import dataclass
 
 from . import dtypes, traits_rules
-from .traits_rules import MAX_ELTS_PER_THREAD, QUANT_MODES, REGISTERS_PER_SM, THREADS_PER_WARP
 
 
 # The independent knobs: launch shape and research levers (what tuning varies and `traits=` may force).
@@ -22,9 +21,9 @@ KNOBS = ("warps_m", "warps_n", "ctas_per_row", "bytes_per_ldg", "stages", "cache
          "register_sum_steps", "unchecked_whole_steps", "sum_chains")
 # What a knob left out takes when others are given (`traits=` mappings, the tuner).
 KNOB_DEFAULTS = dict(warps_m=1, warps_n=1, ctas_per_row=1, bytes_per_ldg=16, stages=2, cache_weights=True,
-                     min_ctas_per_sm=1, smem_accumulators=False, recompute=True, lanes_per_row=THREADS_PER_WARP,
-                     persistent=True, merged_moments=False, pushed_exchange=False, register_sum_steps=0,
-                     unchecked_whole_steps=False, sum_chains=1)
+                     min_ctas_per_sm=1, smem_accumulators=False, recompute=True,
+                     lanes_per_row=traits_rules.THREADS_PER_WARP, persistent=True, merged_moments=False,
+                     pushed_exchange=False, register_sum_steps=0, unchecked_whole_steps=False, sum_chains=1)
 LATE_DGAMMA_MAX_ELTS = 16  # see Traits.late_dgamma
 REFINE_MIN_OFFSET = 4.0  # REFINE_MEAN refines rows whose mean lies this many std or more from zero
 # The backward's finalize kernel: warps per CTA (each sums a slice of the partial
@@ -278,7 +277,7 @@ class Traits:
 
     @property
     def rows_per_warp(self) -> int:
-        return THREADS_PER_WARP // self.lanes_per_row
+        return traits_rules.THREADS_PER_WARP // self.lanes_per_row
 
     @property
     def rows_per_cta(self) -> int:
@@ -286,12 +285,12 @@ class Traits:
 
     @property
     def threads_per_cta(self) -> int:
-        return self.warps_m * self.warps_n * THREADS_PER_WARP
+        return self.warps_m * self.warps_n * traits_rules.THREADS_PER_WARP
 
     @property
     def register_cap(self) -> int:
         """Registers a thread may take under MIN_CTAS_PER_SM (before ptxas rounds it down)."""
-        return REGISTERS_PER_SM // (self.min_ctas_per_sm * self.threads_per_cta)
+        return traits_rules.REGISTERS_PER_SM // (self.min_ctas_per_sm * self.threads_per_cta)
 
     @property
     def elts_per_ldg(self) -> int:
@@ -322,7 +321,8 @@ class Traits:
         over it: a shifted row touches one vector more than its length, and
         without that allowance an odd size could not run its aligned
         neighbour's launch shape (65537 beside 65536: 17 load steps, not 16)."""
-        return MAX_ELTS_PER_THREAD // self.register_words + (0 if self.aligned_rows else self.elts_per_ldg)
+        over = 0 if self.aligned_rows else self.elts_per_ldg
+        return traits_rules.MAX_ELTS_PER_THREAD // self.register_words + over
 
     @property
     def elts_per_thread(self) -> int:
@@ -459,7 +459,7 @@ class Traits:
         if self.backward:
             main = {"norm_bwd": (self.threads_per_cta, self.smem_bytes, self.ctas_per_row)}
             return main if self.grid_finalize else {
-                **main, "norm_bwd_finalize": (FINALIZE_WARPS * THREADS_PER_WARP, 0, 1)}
+                **main, "norm_bwd_finalize": (FINALIZE_WARPS * traits_rules.THREADS_PER_WARP, 0, 1)}
         return {"norm_fwd": (self.threads_per_cta, self.smem_bytes, self.ctas_per_row)}
 
     @property
@@ -471,7 +471,8 @@ class Traits:
         traits_rules.check(self)
 
     def check_arch(self, arch: int):
-        """Rules that depend on the GPU (traits_rules.check_arch)."""
+        """Rules that depend on the GPU: sm_80 or newer; clusters need sm_90; shared memory within the GPU's
+        per-CTA limit (traits_rules.check_arch)."""
         traits_rules.check_arch(self, arch)
 
     # -- presentation -------------------------------------------------------
@@ -505,7 +506,8 @@ class Traits:
                 f"BYTES_PER_LDG={self.bytes_per_ldg} STAGES={self.stages} CACHE_WEIGHTS={int(self.cache_weights)} "
                 f"MIN_CTAS_PER_SM={self.min_ctas_per_sm}" + (" SMEM_ACCUMULATORS=1" if self.smem_accumulators else "")
                 + ("" if self.recompute else " RECOMPUTE=0")
-                + ("" if self.lanes_per_row == THREADS_PER_WARP else f" LANES_PER_ROW={self.lanes_per_row}")
+                + ("" if self.lanes_per_row == traits_rules.THREADS_PER_WARP
+                   else f" LANES_PER_ROW={self.lanes_per_row}")
                 + ("" if self.persistent else " PERSISTENT=0") + (" MERGED_MOMENTS=1" if self.merged_moments else "")
                 + (" PUSHED_EXCHANGE=1" if self.pushed_exchange else "")
                 + (f" REGISTER_SUM_STEPS={self.register_sum_steps}" if self.register_sum_steps else "")
@@ -560,7 +562,7 @@ class Traits:
             "UNCHECKED_WHOLE_STEPS": "true" if self.unchecked_whole_steps else "false",
             "SUM_CHAINS": self.sum_chains,
             "FROM_OUTPUT": int(self.from_output),
-            "QUANT": QUANT_MODES.index(self.quant),
+            "QUANT": traits_rules.QUANT_MODES.index(self.quant),
             "AMAX": int(self.amax),
             "GRID_FINALIZE": int(self.grid_finalize),
             "BRANCH": int(self.branch),

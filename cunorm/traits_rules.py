@@ -1,6 +1,7 @@
-"""What the row-normalization kernels allow: the limits of the GPU and of kernels/norm_traits.cuh, and every
-static_assert there restated over a `cunorm.traits.Traits` (`check`, and `check_arch` for one GPU), so illegal
-traits fail in Python, with the rule named, before anything is compiled or launched."""
+"""What the row-normalization kernels allow: the GPU's limits and the kernels', and every static_assert of the
+kernels (norm_traits.cuh, norm_fwd.cu, norm_bwd.cu) restated over a `cunorm.traits.Traits` (`check`, and
+`check_arch` for one GPU), so illegal traits fail in Python, with the rule named, before anything is compiled
+or launched."""
 from __future__ import annotations
 
 from . import dtypes
@@ -31,7 +32,8 @@ def ctas_for_registers(threads_per_cta: int, registers: int) -> int:
 
 def check(t) -> None:
     """Raise a ValueError naming the rule `t` (a cunorm.traits.Traits) breaks, if any: the kernels'
-    static_asserts and the limits every GPU shares."""
+    static_asserts, and the limits no GPU exceeds (shared memory within sm_90's 227 KB; `check_arch` applies
+    the GPU's own)."""
     def rule(ok: bool, message: str):
         if not ok:
             raise ValueError(f"illegal traits {t.short()}: {message}")
@@ -91,8 +93,8 @@ def check(t) -> None:
     rule(not t.amax or fp8, "amax is kept for fp8 outputs only")
     rule(not fp8 or t.compute_dtype == "float32", "fp8 outputs are of fp32, fp16 or bf16 x")
     rule(t.quant != "group" or (t.aligned_rows and t.hidden_size % QUANT_GROUP_COLS == 0
-                                   and 4 <= t.elts_per_ldg and QUANT_GROUP_COLS % t.elts_per_ldg == 0
-                                   and QUANT_GROUP_COLS // t.elts_per_ldg <= t.lanes_per_row),
+                                and 4 <= t.elts_per_ldg and QUANT_GROUP_COLS % t.elts_per_ldg == 0
+                                and QUANT_GROUP_COLS // t.elts_per_ldg <= t.lanes_per_row),
          "128-column scaling needs aligned rows, N a multiple of 128, loads of >= 4 elements and a group's "
          "lanes within a row's")
     rule(not t.zero_centered or t.has_weight, "a zero-centered weight needs a weight")

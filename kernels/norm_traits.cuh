@@ -2,8 +2,9 @@
 // forward and backward), filled in from cunorm.Traits.
 //
 // The independent knobs and flags are rendered from Python; everything else is
-// derived here, and cunorm/traits.py derives the same quantities and states the
-// same rules (the static_asserts at the end check that the two agree).
+// derived here, and cunorm/traits.py derives the same quantities and
+// cunorm/traits_rules.py states the same rules (the static_asserts at the end
+// check that the two agree).
 #pragma once
 
 typedef ${INPUT_T} input_t;          // x (forward); x and dx (backward)

@@ -20,8 +20,11 @@ python3 -m cunorm.cli info | tee "$OUT/info.txt"
 for step in "${steps[@]}"; do
   case $step in
     # TEST_SHARDS parallel pytest processes, each test function's parametrizations in one (their kernels are
-    # compiled once); TEST_SHARDS=1 runs them in one process.
-    tests) run tests python3 scripts/pytest_shards.py --shards "${TEST_SHARDS:-4}" --out "$OUT" ;;
+    # compiled once); TEST_SHARDS=1 runs them in one process. tests.txt holds the summary and every failure's
+    # line; the shards' own logs come as one archive, tests-logs.tar.gz (a device call returns few files).
+    tests) logs=${TMPDIR:-/tmp}/cunorm-tests-logs; rm -rf "$logs"
+           run tests python3 scripts/pytest_shards.py --shards "${TEST_SHARDS:-4}" --out "$logs"
+           tar -czf "$OUT/tests-logs.tar.gz" -C "$logs" . ;;
     check) run check python3 -m cunorm.cli check ;;
     sanitize) run sanitize compute-sanitizer --tool memcheck --error-exitcode 99 python3 scripts/sanitize_sample.py ;;
     racecheck) run racecheck compute-sanitizer --tool racecheck --error-exitcode 99 python3 scripts/sanitize_sample.py ;;

@@ -22,9 +22,9 @@ for step in "${steps[@]}"; do
     # TEST_SHARDS parallel pytest processes, each test function's parametrizations in one (their kernels are
     # compiled once); TEST_SHARDS=1 runs them in one process. tests.txt holds the summary and every failure's
     # line; the shards' own logs come as one archive, tests-logs.tar.gz (a device call returns few files).
-    tests) logs=${TMPDIR:-/tmp}/cunorm-tests-logs; rm -rf "$logs"
+    tests) logs=$(mktemp -d "${TMPDIR:-/tmp}/cunorm-tests-logs.XXXXXX")  # one folder a tier
            run tests python3 scripts/pytest_shards.py --shards "${TEST_SHARDS:-4}" --out "$logs"
-           tar -czf "$OUT/tests-logs.tar.gz" -C "$logs" . ;;
+           tar -czf "$OUT/tests-logs.tar.gz" -C "$logs" . || status=1 ;;
     check) run check python3 -m cunorm.cli check ;;
     sanitize) run sanitize compute-sanitizer --tool memcheck --error-exitcode 99 python3 scripts/sanitize_sample.py ;;
     racecheck) run racecheck compute-sanitizer --tool racecheck --error-exitcode 99 python3 scripts/sanitize_sample.py ;;

@@ -70,9 +70,10 @@ def from_knobs(knobs: dict, **call) -> Traits:
 
 # Origins of a choice besides the tables' (Table.origin); CALLER: knobs or traits the caller gave.
 HEURISTIC, TUNED_LITERAL, CALLER = "heuristic", "tuned", "caller"
-# A spilling pick's replacements (`fallbacks`): its own shape at half the CTAs an SM (origin: the pick's
-# origin and HALF_CTAS), or the heuristic's.
+# A spilling pick's replacements (`fallbacks`): its own shape at half the CTAs an SM or at half its load width
+# (origin: the pick's origin and HALF_CTAS or HALF_LOADS), or the heuristic's.
 HALF_CTAS, HEURISTIC_FALLBACK = "at half its CTAs an SM (the pick spills)", "heuristic (the pick spills)"
+HALF_LOADS = "at half its load width (the pick spills)"
 # A pick whose 16-CTA cluster this GPU holds none of runs the heuristic's pick within portable clusters.
 PORTABLE_FALLBACK = "heuristic within portable clusters (this GPU holds no 16-CTA cluster)"
 
@@ -141,15 +142,24 @@ def fallbacks(spilled: Traits, origin: str, arch: int, **call) -> list:
     """[(traits, origin)] to try, in order, for a call whose pick `spilled` (from `origin`) compiles with
     spills: a measured persistent shape at half its CTAs an SM (twice the registers a thread: general rows
     borrow knobs measured on aligned rows, whose kernel needs fewer; 36 of the 47 measured picks that spill on
-    general rows compile clean so, docs/runs/2026-11-26-general-rows-spilling-picks.txt), then `fallback`'s
-    pick."""
+    general rows compile clean so, docs/runs/2026-11-26-general-rows-spilling-picks.txt), then at half its
+    load width (the same elements a thread in twice the load steps: the two H200 entries that spill with fp32
+    weights, LayerNorm forward 262144 and backward 196608 with bf16 x, compile clean so and read 0.608 and
+    0.473 of copy, where the heuristic's pick read 0.449 and 0.379, docs/runs/2026-11-29-h200-spill-fallbacks.txt),
+    then `fallback`'s pick."""
     plain = fallback(arch, **call)
     out = []
-    if spilled != plain and spilled.persistent and spilled.min_ctas_per_sm > 1:
-        try:
-            out.append((spilled.replace(min_ctas_per_sm=spilled.min_ctas_per_sm // 2), f"{origin} {HALF_CTAS}"))
-        except ValueError:  # no such shape (not seen: no legality check depends on the CTAs an SM)
-            pass
+    if spilled != plain and spilled.persistent:
+        halves = []
+        if spilled.min_ctas_per_sm > 1:
+            halves.append((dict(min_ctas_per_sm=spilled.min_ctas_per_sm // 2), HALF_CTAS))
+        if spilled.bytes_per_ldg > 4:
+            halves.append((dict(bytes_per_ldg=spilled.bytes_per_ldg // 2), HALF_LOADS))
+        for change, why in halves:
+            try:
+                out.append((spilled.replace(**change), f"{origin} {why}"))
+            except ValueError:  # no such shape (a load of one element too few bytes to stage, a step count over
+                pass            # the row's budget)
     return out + [(plain, HEURISTIC_FALLBACK)]
 
 

@@ -45,12 +45,13 @@ class Job:
         op = f"{'rms-' if k.rms else ''}{'bwd' if k.backward else 'fwd'}{'+residual' if k.residual else ''}"
         return f"{op} N={self.n} {self.dtype}"
 
-    def call_fields(self) -> dict:
-        """The dispatch fields of the timed call (contiguous rows), as the op derives them."""
+    def call_fields(self, weight_dtype: str | None = None) -> dict:
+        """The dispatch fields of the timed call (contiguous rows), as the op derives them; `weight_dtype`:
+        the same call with weights (and bias) of another dtype, a mix the key's entry also serves."""
         from .check import Case, case_call
 
         op = f"{'rms_norm' if self.key.rms else 'layer_norm'}{'_backward' if self.key.backward else ''}"
-        return case_call(Case(op, self.n, 1, self.dtype, self.dtype, has_bias=not self.key.rms,
+        return case_call(Case(op, self.n, 1, self.dtype, weight_dtype or self.dtype, has_bias=not self.key.rms,
                               residual_dtype=self.dtype if self.key.residual else None))
 
     def workload(self):

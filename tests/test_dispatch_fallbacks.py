@@ -47,9 +47,10 @@ def test_a_spilling_unstaged_pick_falls_back_to_the_staged_heuristic():
     assert [(p.persistent, origin) for p, origin in picks] == [(True, "heuristic (the pick spills)")]
 
 
-def test_a_spilling_measured_pick_tries_half_its_ctas_an_sm_before_the_heuristic(monkeypatch):
+def test_a_spilling_measured_pick_tries_half_its_ctas_an_sm_and_half_its_loads_before_the_heuristic(monkeypatch):
     """General rows borrow knobs measured on aligned rows; where they spill, the same shape at half the CTAs an
-    SM (twice the registers a thread) comes first, then the staged heuristic. One function decides
+    SM (twice the registers a thread) comes first, then at half its load width, then the staged heuristic.
+    One function decides
     (`dispatch.without_spills`, through `dispatch.what_runs`), for the checker and for the GPU path (`plan._plan`,
     run here with its compiler stubbed: a kernel's local memory as the spill set says)."""
     from types import SimpleNamespace
@@ -62,8 +63,11 @@ def test_a_spilling_measured_pick_tries_half_its_ctas_an_sm_before_the_heuristic
     pick, origin = dispatch.choose(arch=90, **call)
     assert dispatch.measured(origin) and pick.persistent and pick.min_ctas_per_sm == 2 and not pick.aligned_rows
     half, half_origin = pick.replace(min_ctas_per_sm=1), f"{origin} {dispatch.HALF_CTAS}"
+    narrow, narrow_origin = pick.replace(bytes_per_ldg=pick.bytes_per_ldg // 2), f"{origin} {dispatch.HALF_LOADS}"
+    assert narrow.bytes_per_ldg == 8 and narrow.ldgs > pick.ldgs
     plain = dispatch.fallback(90, **call)
-    assert dispatch.fallbacks(pick, origin, 90, **call) == [(half, half_origin), (plain, dispatch.HEURISTIC_FALLBACK)]
+    assert dispatch.fallbacks(pick, origin, 90, **call) == [(half, half_origin), (narrow, narrow_origin),
+                                                            (plain, dispatch.HEURISTIC_FALLBACK)]
 
     def checker_runs(spilling):  # the call's kernel (case_kernels adds the one-launch variant after it)
         return next(iter(check.case_kernels([case], 90, spills=spilling.__contains__)))
@@ -80,8 +84,10 @@ def test_a_spilling_measured_pick_tries_half_its_ctas_an_sm_before_the_heuristic
         finally:
             plan.forget_choices()
 
-    for spilling, want in (({pick}, (half, half_origin)), ({pick, half}, (plain, dispatch.HEURISTIC_FALLBACK)),
-                           ({pick, half, plain}, (plain, dispatch.HEURISTIC_FALLBACK)), (set(), (pick, origin))):
+    for spilling, want in (({pick}, (half, half_origin)), ({pick, half}, (narrow, narrow_origin)),
+                           ({pick, narrow}, (half, half_origin)),
+                           ({pick, half, narrow}, (plain, dispatch.HEURISTIC_FALLBACK)),
+                           ({pick, half, narrow, plain}, (plain, dispatch.HEURISTIC_FALLBACK)), (set(), (pick, origin))):
         assert checker_runs(spilling) == want and gpu_runs(spilling) == want[0], spilling
     # The heuristic's own staged pick has nothing to fall back to; the caller's knobs run as given.
     assert dispatch.fallbacks(plain, "heuristic", 90, **call) == [(plain, dispatch.HEURISTIC_FALLBACK)]
@@ -139,9 +145,9 @@ def test_a_sixteen_cta_pick_this_gpu_holds_no_cluster_of_runs_within_portable_cl
 
 
 def test_a_spilling_sixteen_cta_entry_whose_half_ctas_shape_is_not_resident_takes_the_portable_fallback():
-    """A measured 16-CTA pick that spills tries its shape at half the CTAs an SM first (`fallbacks`); on a GPU
-    that holds no 16-CTA cluster that shape raises ClusterNotResident too, and is passed over for the
-    portable fallback (was: the exception escaped the call)."""
+    """A measured 16-CTA pick that spills tries its shape at half the CTAs an SM and at half its load width
+    first (`fallbacks`); on a GPU that holds no 16-CTA cluster those shapes raise ClusterNotResident too, and
+    are passed over for the portable fallback (was: the exception escaped the call)."""
     from cunorm.compiler import ClusterNotResident
 
     call = _sixteen_cta_backward_call()
@@ -159,7 +165,8 @@ def test_a_spilling_sixteen_cta_entry_whose_half_ctas_shape_is_not_resident_take
         return t == pick
 
     assert dispatch.without_spills(pick, "a table", spills, 90, **call) == options[-1]
-    assert tried == [pick, options[0][0], options[-1][0]]
+    assert len(options) == 3 and options[1][0].ctas_per_row == 16  # at half its CTAs an SM, at half its loads
+    assert tried == [pick] + [t for t, _ in options]
 
 
 def test_kernels_whose_cluster_is_not_resident_are_loaded_once(monkeypatch):

@@ -50,7 +50,9 @@ def test_table_ab_times_what_replaces_a_pick_that_spills(gpu, tmp_path):
     gpu.spills, gpu.timed = {frozen(pick.knobs())}, []
     assert table_ab_script().main([str(table_path), "--rounds", "3", "--json", str(rows_path)]) == 0
     [row] = json.loads(rows_path.read_text())
-    runs_instead = dispatch.fallback(90, **call)  # the literal's pick is persistent at one CTA an SM: no half
-    assert runs_instead != pick and row["other"] == dispatch.HEURISTIC_FALLBACK != origin
+    # the literal's pick is persistent at one CTA an SM: its first replacement is its shape at half its loads
+    runs_instead, why = dispatch.fallbacks(pick, origin, 90, **call)[0]
+    assert runs_instead == pick.replace(bytes_per_ldg=pick.bytes_per_ldg // 2)
+    assert row["other"] == why == f"{origin} {dispatch.HALF_LOADS}"
     timed = gpu.timed_knobs(search_space.Job.of(1024, "bfloat16", True).key, 1024, "bfloat16")
     assert frozen(runs_instead.knobs()) in timed and frozen(pick.knobs()) not in timed

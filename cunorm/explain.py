@@ -68,7 +68,7 @@ def _layout_reasons(p, t: Traits) -> list:
 
 # What runs where a measured entry compiles with spills (dispatch.without_spills).
 SPILLING_ENTRY = ("if it compiles with spills for this dtype mix, its shape at half the CTAs an SM runs instead "
-                  "where that compiles clean, else the heuristic's pick")
+                  "where that compiles clean, else at half its load width, else the heuristic's pick")
 
 
 def explain(op, *args, arch: int | str | None = None, **kwargs) -> Explanation:

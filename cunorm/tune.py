@@ -37,7 +37,8 @@ from pathlib import Path
 
 import numpy as np
 
-from . import dtypes, tables
+from . import tables
+from .check import check_knobs
 from .search_space import (OPS, REGISTER_SUM_SHARES, SIZES, SUM_CHAIN_COUNTS, Job, candidates, extra_combinations,
                            plan, refinements, register_sum_variants, sum_chains_variants,
                            unchecked_whole_steps_variants, with_pushed_exchange)
@@ -49,7 +50,6 @@ SECOND_LOOK = 0.10  # shapes screened within this fraction of the fastest are ti
 FINALISTS = 3
 ROUNDS = 5
 COMPILE_THREADS = 16  # candidates (and dispatch's picks) compiled side by side
-CHECK_ELEMENTS = 2**24  # the float64 check's rows (check.DEFAULT_ROWS) are capped at this many elements
 clock = time.monotonic  # the budget's clock
 
 
@@ -246,66 +246,6 @@ def final_rounds(ranked: list, case, rounds: int, tick, deadline=None, finalists
             ms.append(_time_once(case, t))
             tick(1)
     return sorted(((ms, t) for t, ms in times.items()), key=lambda p: float(np.median(p[0])))
-
-
-def check_knobs(job: Job, knobs: dict, seed: int = 0, asarray=None) -> list:
-    """What fails the float64 check when the job's op runs with `knobs`
-    forced: a line per output beyond check.TOLERANCE (empty: it passes).
-    check.run_case checks dispatch's own choice; this feeds inputs of the
-    same kind (rows offset from zero, allocations poisoned with NaN) through
-    `traits=` and compares with cunorm.reference, at the checker's row counts.
-    `asarray` moves the host-drawn inputs to the op: cupy.asarray by default;
-    numpy.asarray runs the op's numpy path."""
-    from . import reference
-    from .check import DEFAULT_ROWS, TOLERANCE, dx_scale_of, poisoned_allocations, rel_l2, tolerance
-    from .norm import layer_norm, layer_norm_backward, rms_norm, rms_norm_backward
-
-    if asarray is None:
-        import cupy
-
-        asarray = cupy.asarray
-    k, n, eps = job.key, job.n, 1e-5
-    gen = np.random.default_rng(seed)
-
-    def draw(*shape, scale=1.0, shift=0.0):
-        wide = np.float64 if job.dtype == "float64" else np.float32  # fp64 inputs use all their bits
-        return asarray((gen.standard_normal(shape, dtype=wide) * scale + shift).astype(
-            dtypes.numpy_dtype(job.dtype)))
-
-    failures = []
-    for m in sorted({min(r, max(1, CHECK_ELEMENTS // n)) for r in DEFAULT_ROWS}):
-        # Rows far from zero mean, so that a one-pass variance would show.
-        x = draw(m, n, shift=gen.uniform(1, 3, (m, 1)).astype(np.float32))
-        w, b = draw(n, scale=0.5, shift=1.0), None if k.rms else draw(n, scale=0.5)
-        res = draw(m, n) if k.residual else None
-        scales = {}
-        if k.backward:
-            dy = draw(m, n)
-            stats = reference.rms_norm(x, w, eps)[1:] if k.rms else reference.layer_norm(x, w, None, eps)[1:]
-            rounded = [asarray(s.astype(dtypes.compute_dtype(job.dtype))) for s in stats]  # as a forward returns
-            with poisoned_allocations():
-                got = (rms_norm_backward(dy, x, *rounded, w, dresidual=res, traits=knobs) if k.rms else
-                       layer_norm_backward(dy, x, *rounded, w, dresidual=res, traits=knobs))
-            refs = (reference.rms_norm_backward(dy, x, *stats, w, dresidual=res) if k.rms else
-                    reference.layer_norm_backward(dy, x, *stats, w, dresidual=res))
-            names = ("dx", "dweight", "dbias")
-            # dx is a difference of terms of size |rstd * dy * w|: judged against them, as the checker does.
-            scales["dx"] = dx_scale_of(dy, w, False, stats[-1])
-        else:
-            h = reference.add_residual(x, res)
-            with poisoned_allocations():
-                got = (rms_norm(x, w, eps, residual=res, return_stats=True, traits=knobs) if k.rms else
-                       layer_norm(x, w, b, eps, residual=res, return_stats=True, traits=knobs))
-            y, *stats = reference.rms_norm(h, w, eps) if k.rms else reference.layer_norm(h, w, b, eps)
-            refs = (y, *([h] if k.residual else []), *stats)
-            names = ("y", *(["residual_out"] if k.residual else []), *(["rstd"] if k.rms else ["mean", "rstd"]))
-        for name, value, ref in zip(names, got, refs):
-            tol = TOLERANCE[dtypes.compute_dtype(job.dtype)] if name in ("mean", "rstd") else tolerance(job.dtype,
-                                                                                                       job.dtype)
-            error = rel_l2(value, ref, scales.get(name, 0.0))
-            if not error <= tol:  # NaN fails too
-                failures.append(f"{name} at {m} rows: rel-L2 {error:.1e} > {tol:.0e}")
-    return failures
 
 
 def reading(times: list, nbytes: int, copy_bandwidth: float) -> dict:

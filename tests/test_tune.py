@@ -199,9 +199,11 @@ def test_check_knobs_compares_every_output_with_the_reference(op, residual, monk
     fails on that output alone."""
     import cunorm.norm
 
-    monkeypatch.setattr(check, "rel_l2", host_rel_l2)
+    from cunorm.check import runs
+
+    monkeypatch.setattr(runs, "rel_l2", host_rel_l2)
     job = search_space.Job.of(1000, "bfloat16", *search_space.OPS[op], residual)
-    assert tune.check_knobs(job, {"warps_n": 4}, asarray=np.asarray) == []
+    assert check.check_knobs(job, {"warps_n": 4}, asarray=np.asarray) == []
     name = f"{'rms_norm' if job.key.rms else 'layer_norm'}{'_backward' if job.key.backward else ''}"
     right, (index, output) = getattr(cunorm.norm, name), WRONG_OUTPUT[op, residual]
 
@@ -209,7 +211,7 @@ def test_check_knobs_compares_every_output_with_the_reference(op, residual, monk
         return tuple(v * 1.05 if i == index else v for i, v in enumerate(right(*args, **kwargs)))
 
     monkeypatch.setattr(cunorm.norm, name, wrong)
-    failures = tune.check_knobs(job, {"warps_n": 4}, asarray=np.asarray)
+    failures = check.check_knobs(job, {"warps_n": 4}, asarray=np.asarray)
     assert failures and all(f.startswith(f"{output} at ") for f in failures), failures
 
 
@@ -220,7 +222,7 @@ def test_check_knobs_compares_every_output_with_the_reference(op, residual, monk
 def test_check_knobs_passes_dispatchs_knobs_on_the_gpu(op):
     job = search_space.Job.of(4097, "bfloat16", *search_space.OPS[op], residual=True)
     traits, _ = dispatch.choose(arch=compiler.device_arch(0), tuned=False, **job.call_fields())
-    assert tune.check_knobs(job, traits.knobs()) == []
+    assert check.check_knobs(job, traits.knobs()) == []
 
 
 @pytest.mark.gpu

@@ -7,7 +7,7 @@ compares each output with the float64 reference by relative L2 error.
 
 Rooms: `calls` (what a case runs, derived without a GPU: its dispatch call,
 its kernels, compiling them), `inputs` (what a case draws, poisoned
-allocations), `runs` (running a case against the reference), `compare`
+allocations), `runs` (running a case, or a tuner's forced knobs, against the reference), `compare`
 (tolerances, errors, the Result of an output). The cases and their sweeps live
 in `cunorm.sweeps`. Everything is re-exported here, where the tools find it.
 """
@@ -24,4 +24,4 @@ from .compare import (DELTA_TOLERANCE, DELTA_TOLERANCE_FP32, FP8_BITWISE_SHARE, 
                       tolerance)
 from .inputs import (_gpu_rng, _inputs, cupy_array, delta_inputs, poisoned_allocations, row_tensor,  # noqa: F401
                      standard_normal, weight_vector)
-from .runs import run_case  # noqa: F401
+from .runs import check_knobs, run_case  # noqa: F401

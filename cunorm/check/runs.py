@@ -1,14 +1,17 @@
-"""Running a case on the GPU: the op on fresh inputs, every output against the float64 reference."""
+"""Running a case on the GPU: the op on fresh inputs, every output against the float64 reference; and the tuner's
+check of a winner's forced knobs (check_knobs)."""
 from __future__ import annotations
 
 import numpy as np
 
 from .. import dtypes, reference
-from ..sweeps import NORM_OPS, Case
+from ..sweeps import DEFAULT_ROWS, NORM_OPS, Case
 from .compare import (FP8_BITWISE_SHARE, TOLERANCE, Result, delta_scale, delta_tolerance, dx_scale_of, fp8_ulps,
                       rel_l2, tolerance)
 from .inputs import (_branch_inputs, _given_out, _gpu_rng, _inputs, _lead, _parallel_inputs, _traits_of, cupy_array,
                      delta_inputs, poisoned_allocations, row_tensor, standard_normal)
+
+CHECK_ELEMENTS = 2**24  # check_knobs' rows (DEFAULT_ROWS) are capped at this many elements
 
 
 def run_case(case: Case, rng=None, source: str | None = None) -> list:
@@ -275,3 +278,61 @@ def _run_backward(case: Case, rng, source=None) -> list:
     if kwargs["out"] is not None and got[0] is not kwargs["out"]:
         results.append(Result(case, "dx is out", float("inf"), 0.0))
     return results
+
+
+def check_knobs(job, knobs: dict, seed: int = 0, asarray=None) -> list:
+    """What fails the float64 check when the op of `job` (a search_space.Job: key, dtype, n) runs with `knobs`
+    forced, as the tuner checks its winner: a line per output beyond TOLERANCE (empty: it passes).
+    run_case checks dispatch's own choice; this feeds inputs of the
+    same kind (rows offset from zero, allocations poisoned with NaN) through
+    `traits=` and compares with cunorm.reference, at the checker's row counts.
+    `asarray` moves the host-drawn inputs to the op: cupy.asarray by default;
+    numpy.asarray runs the op's numpy path."""
+    from ..norm import layer_norm, layer_norm_backward, rms_norm, rms_norm_backward
+
+    if asarray is None:
+        import cupy
+
+        asarray = cupy.asarray
+    k, n, eps = job.key, job.n, 1e-5
+    gen = np.random.default_rng(seed)
+
+    def draw(*shape, scale=1.0, shift=0.0):
+        wide = np.float64 if job.dtype == "float64" else np.float32  # fp64 inputs use all their bits
+        return asarray((gen.standard_normal(shape, dtype=wide) * scale + shift).astype(
+            dtypes.numpy_dtype(job.dtype)))
+
+    failures = []
+    for m in sorted({min(r, max(1, CHECK_ELEMENTS // n)) for r in DEFAULT_ROWS}):
+        # Rows far from zero mean, so that a one-pass variance would show.
+        x = draw(m, n, shift=gen.uniform(1, 3, (m, 1)).astype(np.float32))
+        w, b = draw(n, scale=0.5, shift=1.0), None if k.rms else draw(n, scale=0.5)
+        res = draw(m, n) if k.residual else None
+        scales = {}
+        if k.backward:
+            dy = draw(m, n)
+            stats = reference.rms_norm(x, w, eps)[1:] if k.rms else reference.layer_norm(x, w, None, eps)[1:]
+            rounded = [asarray(s.astype(dtypes.compute_dtype(job.dtype))) for s in stats]  # as a forward returns
+            with poisoned_allocations():
+                got = (rms_norm_backward(dy, x, *rounded, w, dresidual=res, traits=knobs) if k.rms else
+                       layer_norm_backward(dy, x, *rounded, w, dresidual=res, traits=knobs))
+            refs = (reference.rms_norm_backward(dy, x, *stats, w, dresidual=res) if k.rms else
+                    reference.layer_norm_backward(dy, x, *stats, w, dresidual=res))
+            names = ("dx", "dweight", "dbias")
+            # dx is a difference of terms of size |rstd * dy * w|: judged against them, as the checker does.
+            scales["dx"] = dx_scale_of(dy, w, False, stats[-1])
+        else:
+            h = reference.add_residual(x, res)
+            with poisoned_allocations():
+                got = (rms_norm(x, w, eps, residual=res, return_stats=True, traits=knobs) if k.rms else
+                       layer_norm(x, w, b, eps, residual=res, return_stats=True, traits=knobs))
+            y, *stats = reference.rms_norm(h, w, eps) if k.rms else reference.layer_norm(h, w, b, eps)
+            refs = (y, *([h] if k.residual else []), *stats)
+            names = ("y", *(["residual_out"] if k.residual else []), *(["rstd"] if k.rms else ["mean", "rstd"]))
+        for name, value, ref in zip(names, got, refs):
+            tol = TOLERANCE[dtypes.compute_dtype(job.dtype)] if name in ("mean", "rstd") else tolerance(job.dtype,
+                                                                                                       job.dtype)
+            error = rel_l2(value, ref, scales.get(name, 0.0))
+            if not error <= tol:  # NaN fails too
+                failures.append(f"{name} at {m} rows: rel-L2 {error:.1e} > {tol:.0e}")
+    return failures

@@ -144,9 +144,9 @@ def fallbacks(spilled: Traits, origin: str, arch: int, **call) -> list:
     borrow knobs measured on aligned rows, whose kernel needs fewer; 36 of the 47 measured picks that spill on
     general rows compile clean so, docs/runs/2026-11-26-general-rows-spilling-picks.txt), then at half its
     load width (the same elements a thread in twice the load steps: the two H200 entries that spill with fp32
-    weights, LayerNorm forward 262144 and backward 196608 with bf16 x, compile clean so and read 0.608 and
-    0.473 of copy, where the heuristic's pick read 0.449 and 0.379, docs/runs/2026-11-29-h200-spill-fallbacks.txt),
-    then `fallback`'s pick."""
+    weights, LayerNorm forward 262144 and backward 196608 with bf16 x, compile clean so and read 0.600 and
+    0.473 of copy through dispatch, where the heuristic's pick read 0.449 and 0.379,
+    docs/runs/2026-11-29-h200-spill-fallbacks.txt), then `fallback`'s pick."""
     plain = fallback(arch, **call)
     out = []
     if spilled != plain and spilled.persistent:
@@ -157,9 +157,12 @@ def fallbacks(spilled: Traits, origin: str, arch: int, **call) -> list:
             halves.append((dict(bytes_per_ldg=spilled.bytes_per_ldg // 2), HALF_LOADS))
         for change, why in halves:
             try:
-                out.append((spilled.replace(**change), f"{origin} {why}"))
-            except ValueError:  # no such shape (a load of one element too few bytes to stage, a step count over
-                pass            # the row's budget)
+                half = spilled.replace(**change)
+                half.check_arch(arch)  # more shared memory than the pick (weight slots, register sums' slots)
+            except ValueError:  # no such shape: half the load width below sum_chains' chains, or too few bytes
+                continue        # a load to stage
+            if half != plain:   # the heuristic's own pick runs under its own origin, last
+                out.append((half, f"{origin} {why}"))
     return out + [(plain, HEURISTIC_FALLBACK)]
 
 
@@ -180,7 +183,7 @@ def without_spills(pick: Traits, origin: str, spills, arch: int, **call) -> tupl
         try:
             if not spills(traits):
                 break
-        except ClusterNotResident:  # a half-CTAs shape of a 16-CTA pick; the last fallback is portable
+        except ClusterNotResident:  # a halved shape of a 16-CTA pick; the last fallback is portable
             continue
     return traits, why
 

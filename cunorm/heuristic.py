@@ -62,7 +62,7 @@ def late_dgamma_registers(t: Traits) -> Traits:
     dispatched fp32 cases compiled on sm_90 and sm_80, in a review's enumeration of 2,791 kernels with
     their dtype mixes and flags): the cap keeps that occupancy. Dispatch applies it to tuned entries too. (Measured
     before REFINE_MEAN's backward, version 43: some capped shapes now spill a few bytes, e.g. N = 1024 with
-    dresidual in 2 x 2 warps, 4 bytes; dispatch replaces a spilling tuned pick by the heuristic's.)"""
+    dresidual in 2 x 2 warps, 4 bytes; dispatch replaces a spilling tuned pick: dispatch.fallbacks.)"""
     held = ([t.output_dtype] + [t.weight_dtype] * t.has_weight + [t.bias_dtype] * t.has_bias
             + [t.weight1_dtype] * t.parallel + [t.residual_dtype] * t.has_residual)  # float64 ones: two words
     if (t.late_dgamma and all(dtypes.itemsize(d) <= 4 for d in held)

@@ -165,7 +165,9 @@ def test_a_spilling_sixteen_cta_entry_whose_half_ctas_shape_is_not_resident_take
         return t == pick
 
     assert dispatch.without_spills(pick, "a table", spills, 90, **call) == options[-1]
-    assert len(options) == 3 and options[1][0].ctas_per_row == 16  # at half its CTAs an SM, at half its loads
+    assert [why for _, why in options] == [f"a table {dispatch.HALF_CTAS}", f"a table {dispatch.HALF_LOADS}",
+                                           dispatch.HEURISTIC_FALLBACK]
+    assert options[1][0] == pick.replace(bytes_per_ldg=pick.bytes_per_ldg // 2) and options[1][0].ctas_per_row == 16
     assert tried == [pick] + [t for t, _ in options]
 
 

@@ -317,6 +317,7 @@ def _spilling_entry_falls_back(zero_centered, rng):
         clean = [o for o in options if not any(k.local_bytes for k in compiler.kernels_for(o, dev).values())]
         # The half-CTAs shape compiles clean here (the 2026-11-27 tier), so it is what runs.
         assert len(options) == 3 and clean[:1] == options[:1]
+        assert options[1] == tuned.replace(bytes_per_ldg=tuned.bytes_per_ldg // 2)  # then at half its loads
         assert t != tuned and t == options[0]
     assert all(k.local_bytes == 0 for k in kernels.values())
     assert_results_ok(check.run_case(case, rng))

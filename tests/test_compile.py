@@ -1,6 +1,7 @@
 """Tier B: every dispatch entry compiles with NVRTC for sm_80 and sm_90, with
 no spills and no stack frame (except the heuristic's documented last resorts
 for rows no smaller CTA holds). Needs NVRTC, not a GPU."""
+import functools
 import itertools
 
 import pytest
@@ -13,12 +14,18 @@ from cunorm.heuristic import heuristic
 pytestmark = pytest.mark.nvrtc
 
 
+@functools.lru_cache(maxsize=None)
+def spills(traits, arch: int) -> bool:
+    """Whether `traits` compile for sm_<arch> with spills or a stack frame (each variant compiled once a session)."""
+    return not compile_only(traits, arch).clean
+
+
 @pytest.mark.parametrize("arch", ["sm_90", "sm_80"])
 def test_cunorm_check_compile_only_passes(arch):
     """Exactly what `cunorm check --compile-only` compiles (every sweep, the
     command's own code): every variant compiles, no tuned entry spills for a
-    dtype mix it serves (where one would, the heuristic's pick replaces it, as
-    on the GPU), and nothing is refused on sm_90. This is the command a fresh
+    dtype mix it serves (where one would, a replacement from dispatch.fallbacks
+    runs, as on the GPU), and nothing is refused on sm_90. This is the command a fresh
     install runs, so CI fails where it would."""
     import json
 
@@ -70,10 +77,10 @@ def test_the_h200_entries_that_spill_with_fp32_weights_run_at_half_their_load_wi
         for n, backward in ((262144, False), (196608, True)):
             call = Job.of(n, "bfloat16", backward).call_fields("float32")
             pick, origin = dispatch.choose(arch=90, gpu=gpu, **call)
-            assert dispatch.measured(origin) and pick.bytes_per_ldg == 16 and not compile_only(pick, 90).clean
-            runs, why = dispatch.what_runs(90, lambda t: not compile_only(t, 90).clean, gpu=gpu, **call)
+            assert dispatch.measured(origin) and pick.bytes_per_ldg == 16 and spills(pick, 90)
+            runs, why = dispatch.what_runs(90, lambda t: spills(t, 90), gpu=gpu, **call)
             assert runs == pick.replace(bytes_per_ldg=8) and why == f"{origin} {dispatch.HALF_LOADS}", (n, why)
-            assert compile_only(runs, 90).clean and not compile_only(dispatch.fallback(90, **call), 90).clean
+            assert not spills(runs, 90) and spills(dispatch.fallback(90, **call), 90)
     finally:
         tables.forget()
 
@@ -88,7 +95,6 @@ def test_every_shipped_entry_runs_spill_free_with_other_weights(path, tmp_path, 
     memory (version 79 found two H200 calls whose every replacement then spilled; the pick at half its load
     width, a replacement since version 80, is clean for both). The user's own tables are kept out (an empty
     cache folder)."""
-    import functools
     from concurrent.futures import ThreadPoolExecutor
 
     from cunorm.search_space import Job
@@ -98,19 +104,15 @@ def test_every_shipped_entry_runs_spill_free_with_other_weights(path, tmp_path, 
     table = tables.Table.from_json(path.read_text(), "shipped")
     arch = table.gpu.cc
 
-    @functools.lru_cache(maxsize=None)
-    def spills(t) -> bool:
-        return not compile_only(t, arch).clean
-
     def spilling(args) -> tuple | None:
         key, entry, weight = args
         op = ("rms_norm" if key.rms else "layer_norm") + ("_backward" if key.backward else "")
         dtype = entry["dtype"]
         job = Job.of(entry["measured_n"], dtype, key.backward, key.rms, key.residual)
         assert job.key == key, (job.key, key)
-        t, origin = dispatch.what_runs(arch, spills, gpu=table.gpu, **job.call_fields(weight))
+        t, origin = dispatch.what_runs(arch, lambda v: spills(v, arch), gpu=table.gpu, **job.call_fields(weight))
         found = (op, entry["measured_n"], dtype, key.residual, weight)
-        return (*found, f"{origin}: {t.short()}") if spills(t) else None
+        return (*found, f"{origin}: {t.short()}") if spills(t, arch) else None
 
     todo = [(key, entry, weight) for key, entry in table.entries.items()
             for weight in ("float32", "bfloat16", "float16") if weight != entry["dtype"]]

@@ -107,7 +107,8 @@ def compile_only(traits, arch: int | str = 90, source: str | None = None) -> Com
     prog = nvrtc.createProgram(text, traits.source_file, [], [])
     try:
         try:
-            nvrtc.compileProgram(prog, [*NVRTC_OPTIONS, *RAWMODULE_OPTIONS, f"-arch=sm_{arch}", "--ptxas-options=-v"])
+            nvrtc.compileProgram(prog, [*NVRTC_OPTIONS, *RAWMODULE_OPTIONS, f"-arch=sm_{arch}", "--ptxas-options=-v",
+                                        *_uncached()])
         except nvrtc.NVRTCError as e:
             log = nvrtc.getProgramLog(prog)
             raise CompileError(f"{traits.short()} failed to compile for sm_{arch}: {e}\n{log}\n"
@@ -116,7 +117,21 @@ def compile_only(traits, arch: int | str = 90, source: str | None = None) -> Com
         cubin = nvrtc.getCUBIN(prog)
     finally:
         nvrtc.destroyProgram(prog)
-    return CompileReport(arch, cubin, log, parse_ptxas_log(log))
+    functions = parse_ptxas_log(log)
+    missing = sorted(set(traits.launches()) - {f.name for f in functions})
+    if missing:  # an empty report would read as clean
+        raise CompileError(f"{traits.short()}: NVRTC's log for sm_{arch} holds no ptxas report for {', '.join(missing)}"
+                           f" (was the compile answered from a cache?):\n{log[-1000:]}")
+    return CompileReport(arch, cubin, log, functions)
+
+
+@functools.cache
+def _uncached() -> tuple:
+    """NVRTC 12.9+ answers a compile it has seen from the driver's compute cache where a driver is loaded, and
+    then runs no ptxas: the log holds no resource report. compile_only exists for that report."""
+    from cupy_backends.cuda.libs import nvrtc
+
+    return ("--no-cache",) if nvrtc.getVersion() >= (12, 9) else ()
 
 
 @dataclass(frozen=True)

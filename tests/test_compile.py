@@ -275,6 +275,29 @@ def test_ptxas_log_parser():
     assert f.spills
 
 
+def test_compile_only_refuses_a_log_without_a_report(monkeypatch):
+    """A compile answered from NVRTC's cache runs no ptxas; its empty report must not read as clean."""
+    from cupy_backends.cuda.libs import nvrtc
+
+    monkeypatch.setattr(nvrtc, "getProgramLog", lambda prog: "")
+    t = Traits(hidden_size=1024, input_dtype="bf16", backward=True)
+    with pytest.raises(cunorm.CompileError, match="no ptxas report for norm_bwd, norm_bwd_finalize"):
+        compile_only(t, 90)
+
+
+@pytest.mark.parametrize("version, bypassed", [((12, 8), False), ((12, 9), True), ((13, 0), True)])
+def test_compile_only_bypasses_the_nvrtc_cache_where_there_is_one(version, bypassed, monkeypatch):
+    from cupy_backends.cuda.libs import nvrtc
+    from cunorm import compiler
+
+    monkeypatch.setattr(nvrtc, "getVersion", lambda: version)
+    compiler._uncached.cache_clear()
+    try:
+        assert ("--no-cache" in compiler._uncached()) == bypassed
+    finally:
+        compiler._uncached.cache_clear()
+
+
 def test_compile_only_takes_arch_names():
     t = Traits(hidden_size=1024, input_dtype="bf16")
     assert compile_only(t, "sm_80").arch == compile_only(t, 80).arch == 80

@@ -513,3 +513,25 @@ def test_kernel_time_excludes_the_host():
 
     assert timing.median_ms(call, repeat=3, warmup=1, batch=4) >= 1.9
     assert timing.kernel_ms(call, repeat=3, warmup=1, batch=4) < 0.5
+
+
+def test_compile_only_reports_what_the_gpu_loads():
+    """compile_only's ptxas report (what tier B and `cunorm check --compile-only` decide on) against the loaded
+    kernels, each traits compiled twice: on a GPU host NVRTC 12.9+ answers a repeated compile from the driver's
+    cache, with no report, unless compile_only bypasses it. The wide backward keeps local memory on sm_90."""
+    from cunorm.compiler import compile_only, device_arch, kernels_for
+
+    arch = device_arch(0)
+    traits = [cunorm.Traits(hidden_size=4096, input_dtype="bfloat16", warps_n=4)]
+    if arch >= 90:
+        traits.append(cunorm.Traits(hidden_size=196608, input_dtype="bfloat16", weight_dtype="float32",
+                                    backward=True, warps_n=8, ctas_per_row=16, bytes_per_ldg=16, stages=1,
+                                    cache_weights=False, pushed_exchange=True))
+    for t in traits:
+        loaded = kernels_for(t, 0)
+        for _ in range(2):
+            report = {f.name: f for f in compile_only(t, arch).functions}
+            assert set(report) == set(loaded), t.short()
+            for name, k in loaded.items():
+                assert report[name].registers == k.function.attributes["num_regs"], (t.short(), name)
+                assert report[name].stack_frame == k.local_bytes, (t.short(), name)

@@ -4,7 +4,8 @@ On a GPU, kernels are compiled once per (traits, device) through
 `cupy.RawModule` (CuPy also caches the cubin on disk, keyed by the rendered
 source, options and architecture, so the cache never goes stale). Without a
 GPU, `compile_only` drives NVRTC directly for an explicit architecture and
-returns the cubin with ptxas's resource report.
+returns the cubin with ptxas's resource report (on a GPU host too: it keeps
+NVRTC from answering from the driver's cache, which would skip ptxas).
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import sys
 import threading
 from dataclasses import dataclass, field
 
-from .source import render
+from .source import check_source, render
 from .traits_rules import PORTABLE_CLUSTER
 
 # -default-device: the kernels hold no host code, and their generic lambdas
@@ -27,7 +28,8 @@ RAWMODULE_OPTIONS = ("-ftz=true",)
 
 
 class CompileError(RuntimeError):
-    """NVRTC rejected a rendered kernel; the message holds its log."""
+    """NVRTC rejected a rendered kernel, or its log holds no ptxas report for a kernel compile_only must
+    report on; the message holds the log."""
 
 
 @dataclass(frozen=True)
@@ -53,8 +55,8 @@ class CompileReport:
 
     @property
     def clean(self) -> bool:
-        """No spills and no stack frame in any kernel."""
-        return all(not f.spills and f.stack_frame == 0 for f in self.functions)
+        """No spills and no stack frame in any kernel (and a report to say so)."""
+        return bool(self.functions) and all(not f.spills and f.stack_frame == 0 for f in self.functions)
 
 
 _FUNC = re.compile(r"Function properties for (\w+)\s*\n.*?(\d+) bytes stack frame, (\d+) bytes spill stores, "
@@ -98,12 +100,14 @@ def _error_context(log: str, text: str, around: int = 2) -> str:
 
 def compile_only(traits, arch: int | str = 90, source: str | None = None) -> CompileReport:
     """Compile `traits`'s kernels for sm_<arch> (90 or "sm_90") with NVRTC;
-    needs no GPU. `source`: an edited copy of the traits' kernel file."""
+    needs no GPU. `source`: an edited copy of the traits' kernel file (ValueError
+    if it lacks a kernel the traits launch). CompileError if NVRTC fails or its
+    log holds no ptxas report for one of those kernels."""
     arch = arch_number(arch)
     traits.check_arch(arch)
     from cupy_backends.cuda.libs import nvrtc
 
-    text = render(traits, source)
+    text = render(traits, source if source is None else check_source(traits, source))
     prog = nvrtc.createProgram(text, traits.source_file, [], [])
     try:
         try:
@@ -120,8 +124,10 @@ def compile_only(traits, arch: int | str = 90, source: str | None = None) -> Com
     functions = parse_ptxas_log(log)
     missing = sorted(set(traits.launches()) - {f.name for f in functions})
     if missing:  # an empty report would read as clean
-        raise CompileError(f"{traits.short()}: NVRTC's log for sm_{arch} holds no ptxas report for {', '.join(missing)}"
-                           f" (was the compile answered from a cache?):\n{log[-1000:]}")
+        why = (f"it reports only {', '.join(f.name for f in functions)}" if functions else
+               "it holds none (a compile answered from NVRTC's cache runs no ptxas)")
+        raise CompileError(f"{traits.short()}: NVRTC's log for sm_{arch} holds no ptxas report for "
+                           f"{', '.join(missing)}; {why}:\n{log[-1000:]}")
     return CompileReport(arch, cubin, log, functions)
 
 

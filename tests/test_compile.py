@@ -277,25 +277,48 @@ def test_ptxas_log_parser():
 
 def test_compile_only_refuses_a_log_without_a_report(monkeypatch):
     """A compile answered from NVRTC's cache runs no ptxas; its empty report must not read as clean."""
+    import re
+
     from cupy_backends.cuda.libs import nvrtc
 
-    monkeypatch.setattr(nvrtc, "getProgramLog", lambda prog: "")
     t = Traits(hidden_size=1024, input_dtype="bf16", backward=True)
-    with pytest.raises(cunorm.CompileError, match="no ptxas report for norm_bwd, norm_bwd_finalize"):
+    real_log = nvrtc.getProgramLog
+    monkeypatch.setattr(nvrtc, "getProgramLog", lambda prog: "")
+    with pytest.raises(cunorm.CompileError, match="no ptxas report for norm_bwd, norm_bwd_finalize; it holds none"):
+        compile_only(t, 90)
+    one_missing = r"ptxas info\s+: Compiling entry function 'norm_bwd' .*?(?=ptxas info\s+: Compiling entry|\Z)"
+    monkeypatch.setattr(nvrtc, "getProgramLog", lambda prog: re.sub(one_missing, "", real_log(prog), flags=re.S))
+    with pytest.raises(cunorm.CompileError, match="report for norm_bwd; it reports only norm_bwd_finalize"):
         compile_only(t, 90)
 
 
 @pytest.mark.parametrize("version, bypassed", [((12, 8), False), ((12, 9), True), ((13, 0), True)])
 def test_compile_only_bypasses_the_nvrtc_cache_where_there_is_one(version, bypassed, monkeypatch):
+    """NVRTC 12.9+ answers a compile it has seen from the driver's cache (GPU hosts), with no ptxas report."""
     from cupy_backends.cuda.libs import nvrtc
     from cunorm import compiler
 
+    options, real_compile = [], nvrtc.compileProgram
     monkeypatch.setattr(nvrtc, "getVersion", lambda: version)
+
+    def recording(prog, opts):
+        options.append(list(opts))
+        return real_compile(prog, opts)
+
+    monkeypatch.setattr(nvrtc, "compileProgram", recording)
     compiler._uncached.cache_clear()
     try:
-        assert ("--no-cache" in compiler._uncached()) == bypassed
+        assert compile_only(Traits(hidden_size=1024, input_dtype="bf16"), 90).clean
     finally:
         compiler._uncached.cache_clear()
+    assert len(options) == 1 and ("--no-cache" in options[0]) == bypassed
+
+
+def test_compile_only_names_an_edited_source_that_lacks_a_kernel():
+    from cunorm.source import _read
+
+    with pytest.raises(ValueError, match="source: defines no extern \"C\" kernel norm_bwd, norm_bwd_finalize"):
+        compile_only(Traits(hidden_size=1024, input_dtype="bf16", backward=True), 90, _read("norm_fwd.cu"))
 
 
 def test_compile_only_takes_arch_names():

@@ -518,8 +518,9 @@ def test_kernel_time_excludes_the_host():
 def test_compile_only_reports_what_the_gpu_loads():
     """compile_only's ptxas report (what tier B and `cunorm check --compile-only` decide on) against the loaded
     kernels, each traits compiled twice: on a GPU host NVRTC 12.9+ answers a repeated compile from the driver's
-    cache, with no report, unless compile_only bypasses it. The wide backward keeps local memory on sm_90."""
-    from cunorm.compiler import compile_only, device_arch, kernels_for
+    cache, with no report, unless compile_only bypasses it. The wide backward (a 16-CTA cluster, skipped where
+    this GPU holds none) kept 24 bytes of local memory on sm_90 with NVRTC 12.9 and 13.0."""
+    from cunorm.compiler import ClusterNotResident, compile_only, device_arch, kernels_for
 
     arch = device_arch(0)
     traits = [cunorm.Traits(hidden_size=4096, input_dtype="bfloat16", warps_n=4)]
@@ -528,7 +529,11 @@ def test_compile_only_reports_what_the_gpu_loads():
                                     backward=True, warps_n=8, ctas_per_row=16, bytes_per_ldg=16, stages=1,
                                     cache_weights=False, pushed_exchange=True))
     for t in traits:
-        loaded = kernels_for(t, 0)
+        try:
+            loaded = kernels_for(t, 0)
+        except (ClusterNotResident, ValueError):  # this GPU holds no such cluster, or refuses its shape
+            assert t.ctas_per_row == 16
+            continue
         for _ in range(2):
             report = {f.name: f for f in compile_only(t, arch).functions}
             assert set(report) == set(loaded), t.short()

@@ -114,6 +114,8 @@ def check(t) -> None:
          f"sum_chains must be 1, or for a forward 2 or 4, at most elts_per_ldg ({t.elts_per_ldg})")
     rule(not t.pushed_exchange or t.ctas_per_row > 1, "pushed_exchange is a knob of cluster rows "
          "(ctas_per_row > 1)")
+    rule(type(t.register_ahead) is bool and (not t.register_ahead or (t.backward and t.stages == 1)),
+         "register_ahead must be True or False, and True only for a backward with stages=1")  # (all persistent)
 
 
 def check_arch(t, arch: int) -> None:

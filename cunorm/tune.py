@@ -40,7 +40,7 @@ import numpy as np
 from . import tables
 from .check import check_knobs
 from .search_space import (OPS, REGISTER_SUM_SHARES, SIZES, SUM_CHAIN_COUNTS, Job, candidates, extra_combinations,
-                           plan, refinements, register_sum_variants, sum_chains_variants,
+                           plan, refinements, register_ahead_variants, register_sum_variants, sum_chains_variants,
                            unchecked_whole_steps_variants, with_pushed_exchange)
 from .traits import Traits
 
@@ -165,8 +165,9 @@ def rank(shapes, case, device_id: int, arch: int, tick, echo, deadline=None, kee
     fastest with shared-memory column sums (as their all-in-shared-memory selves) with some sums in registers
     (`register_sum_variants`), then the `keep` fastest with their whole load steps unchecked
     (`unchecked_whole_steps_variants`: rows without full tiles), then a forward's `keep` fastest with their
-    row sums in more chains (`sum_chains_variants`); each traits timed once, or twice within SECOND_LOOK of the
-    fastest so far (`_second_look`)."""
+    row sums in more chains (`sum_chains_variants`), then a backward's `keep` fastest unstaged shapes with
+    their next row loaded ahead into registers (`register_ahead_variants`); each traits timed once, or twice
+    within SECOND_LOOK of the fastest so far (`_second_look`)."""
     ranked = _time_all(shapes, case, device_id, tick, echo, deadline)
 
     def add(candidates: list) -> list:
@@ -178,7 +179,9 @@ def rank(shapes, case, device_id: int, arch: int, tick, echo, deadline=None, kee
     in_smem = list(dict.fromkeys(t.replace(register_sum_steps=0) for _, t in ranked if t.smem_accumulators))
     ranked = add([v for t in in_smem[:keep] for v in register_sum_variants(t)])
     ranked = add([v for _, t in ranked[:keep] for v in unchecked_whole_steps_variants(t)])
-    return add([v for _, t in ranked[:keep] for v in sum_chains_variants(t)])
+    ranked = add([v for _, t in ranked[:keep] for v in sum_chains_variants(t)])
+    unstaged = [t for _, t in ranked if register_ahead_variants(t)]
+    return add([v for t in unstaged[:keep] for v in register_ahead_variants(t)])
 
 
 def _steps(shapes: list, backward: bool, keep: int, finalists: int, rounds: int) -> int:
@@ -189,8 +192,9 @@ def _steps(shapes: list, backward: bool, keep: int, finalists: int, rounds: int)
     register_sums = keep * (1 + len(REGISTER_SUM_SHARES)) if backward else 0  # register_sum_variants, at most
     unchecked = keep  # unchecked_whole_steps_variants, at most
     chains = 0 if backward else keep * len(SUM_CHAIN_COUNTS)  # sum_chains_variants, at most
+    ahead = keep if backward else 0  # register_ahead_variants, at most
     return (len(shapes) + keep * len(list(extra_combinations(backward))) + register_sums + unchecked + chains
-            + (finalists + incumbent) * (rounds + 1))
+            + ahead + (finalists + incumbent) * (rounds + 1))
 
 
 def current_gpu() -> tuple:

@@ -201,7 +201,7 @@ constexpr int PIPE_SLOTS = STAGES > 1 ? STAGES * STAGE_SLOTS : 0;
 // when not ACTIVE: an absent residual). Each thread copies exactly the vectors
 // it later reads itself, so stages need no barrier: a thread waits only for
 // its own copies. With STAGES == 1 rows are loaded straight into registers
-// when read. A shifted row's ends are copied as whole chunks (the bytes
+// when read (REGISTER_AHEAD: when the row before is read). A shifted row's ends are copied as whole chunks (the bytes
 // before the row lie in the same allocation, which is aligned; those past it
 // in the next row: see tail_inside) and masked after reading (mask_row). The
 // last row's end is copied exactly: up to the row's end, cp.async filling the
@@ -210,10 +210,12 @@ constexpr int PIPE_SLOTS = STAGES > 1 ? STAGES * STAGE_SLOTS : 0;
 template <typename T, bool ACTIVE = true>
 struct RowPipe {
   using V = Vec<T, ELTS_PER_LDG>;
+  static constexpr bool AHEAD = REGISTER_AHEAD && ACTIVE;  // held: the next row, loading (REGISTER_AHEAD)
   const T* base;
   row_stride_t ld;
   long long rows;
   V* slots;  // this thread's slot of stage 0, LDG step 0
+  V held[AHEAD ? LDGS : 1];
 
   __device__ __forceinline__ RowPipe(unsigned char* smem, const T* base_, row_stride_t ld_, long long rows_,
                                      const Coords& at)
@@ -261,8 +263,17 @@ struct RowPipe {
   }
   // This thread's vectors of `row`, which `stage` holds (once its copies
   // landed); lanes outside the row are masked by mask_row, not here.
-  __device__ __forceinline__ void read(int stage, long long row, V (&v)[LDGS], const Coords& at) const {
-    if constexpr (STAGES > 1) {
+  // REGISTER_AHEAD: starts loading this thread's first row (for_each_row).
+  __device__ __forceinline__ void prime(long long row, const Coords& at) {
+    if constexpr (AHEAD) load_row(held, base, row, ld, rows, at);
+  }
+  // REGISTER_AHEAD: the held row, and the loads of the thread's next one started (a row stride on: for_each_row's).
+  __device__ __forceinline__ void read(int stage, long long row, V (&v)[LDGS], const Coords& at) {
+    if constexpr (AHEAD) {
+#pragma unroll
+      for (int it = 0; it < LDGS; ++it) v[it] = held[it];
+      load_row(held, base, row + at.groups * ROWS_PER_CTA, ld, rows, at);
+    } else if constexpr (STAGES > 1) {
 #pragma unroll
       for (int it = 0; it < LDGS; ++it) v[it] = slots[stage * STAGE_SLOTS + it * THREADS_PER_ROW];
     } else {
@@ -286,6 +297,7 @@ __device__ __forceinline__ void for_each_row(long long rows, const Coords& at, B
     (pipes.fetch(k, first + k * stride, at), ...);
     if constexpr (STAGES > 1) cp_async_commit();
   }
+  if constexpr (STAGES == 1) (pipes.prime(first, at), ...);
   int stage = 0;
   for (long long row = first; row - at.warp_m < rows; row += stride) {
     if constexpr (STAGES > 1) {

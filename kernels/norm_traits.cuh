@@ -49,6 +49,10 @@ constexpr bool UNCHECKED_WHOLE_STEPS = ${UNCHECKED_WHOLE_STEPS};
 // vector into chain e % SUM_CHAINS, added pairwise at the end: shorter dependent chains where few warps an SM hide
 // the adds' latency (a tuned knob; other chains, other rounding).
 constexpr int SUM_CHAINS = ${SUM_CHAINS};
+// An unstaged persistent kernel (STAGES == 1) loads its next row into registers when it takes the current one
+// (RowPipe), so the loads overlap the current row's reduction and stores: a row's vectors more registers (a tuned
+// knob of backwards; the same arithmetic, the same bits).
+constexpr bool REGISTER_AHEAD = ${REGISTER_AHEAD};
 // Every row starts on a vector boundary and is whole vectors long. Otherwise
 // (the general kernel) a row is read in the aligned frame around it: vector v
 // of a row covers the elements [v * E - shift, (v + 1) * E - shift), where
@@ -105,6 +109,7 @@ static_assert(CTAS_PER_ROW == 1 || CTAS_PER_ROW == 2 || CTAS_PER_ROW == 4 || CTA
 static_assert(CTAS_PER_ROW == 1 || WARPS_M == 1, "several CTAs per row need WARPS_M == 1");
 static_assert(STAGES >= 1 && STAGES <= 8, "STAGES must be 1..8");
 static_assert(PERSISTENT || STAGES == 1, "a grid of a CTA per row group reads its rows straight into registers");
+static_assert(!REGISTER_AHEAD || (STAGES == 1 && PERSISTENT), "rows ahead in registers: unstaged persistent kernels");
 static_assert(MIN_CTAS_PER_SM >= 1 && MIN_CTAS_PER_SM * THREADS_PER_CTA <= 2048,
               "MIN_CTAS_PER_SM must be >= 1 and fit 2048 threads per SM");
 static_assert(LANES_PER_ROW == 4 || LANES_PER_ROW == 8 || LANES_PER_ROW == 16 || LANES_PER_ROW == 32,

@@ -43,6 +43,16 @@ FINALIZED = [C(op, n, FINALIZE_ROWS, dt, wdt, has_bias=not op.startswith("rms"),
                  (999, "bfloat16", "bfloat16", {}), (4096, "float16", "float32", {})]]
 assert all(c.rows * c.hidden_size > FUSE_ROW_ELEMENTS for c in FINALIZED)  # else they take one launch
 CASES += FINALIZED
+# Backwards with the next row loaded ahead into registers (register_ahead): the last row's load is past the end,
+# on aligned rows, offset general rows and a cluster row.
+AHEAD = dict(stages=1, register_ahead=True)
+CASES += [C("layer_norm_backward", 2048, 301, "bfloat16", "bfloat16",
+            knobs=tuple(sorted(dict(AHEAD, warps_n=4, bytes_per_ldg=16).items()))),
+          C("rms_norm_backward", 4097, 37, "float16", "float32", has_bias=False, layout="offset:3",
+            knobs=tuple(sorted(dict(AHEAD, warps_n=4, bytes_per_ldg=8).items()))),
+          C("layer_norm_backward", 10240, 23, "bfloat16", "bfloat16",
+            knobs=tuple(sorted(dict(AHEAD, warps_n=4, ctas_per_row=4, bytes_per_ldg=8, smem_accumulators=True,
+                                    register_sum_steps=1, pushed_exchange=True).items())))]
 # Every tensor's dtype and layout drawn independently (a slice of the pairwise sweep), at few rows.
 CASES += [dataclasses.replace(c, rows=5) for c in check.pairwise_cases()[::17]]
 

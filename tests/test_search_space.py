@@ -192,3 +192,20 @@ def test_sum_chains_are_offered_to_forwards_up_to_a_vector():
     assert search_space.sum_chains_variants(two) == []
     assert search_space.refinements(two) == search_space.refinements(fp32)
     assert search_space.sum_chains_variants(bf16.replace(backward=True)) == []
+
+
+def test_rows_ahead_in_registers_are_offered_to_unstaged_persistent_backwards():
+    """A backward with stages=1 (a persistent grid, as every backward's) again with its next row loaded into
+    registers ahead (`register_ahead`), the same traits but the knob; not to a staged one, a forward or a
+    variant already. A variant's extras are its plain self's."""
+    from cunorm.traits import Traits
+
+    bwd = Traits(hidden_size=10240, input_dtype="bfloat16", backward=True, warps_n=4, ctas_per_row=4,
+                 bytes_per_ldg=8, stages=1, smem_accumulators=True, register_sum_steps=1, pushed_exchange=True)
+    (ahead,) = search_space.register_ahead_variants(bwd)
+    assert ahead == bwd.replace(register_ahead=True)
+    assert search_space.register_ahead_variants(ahead) == []
+    assert search_space.refinements(ahead) == search_space.refinements(bwd)
+    assert search_space.register_ahead_variants(bwd.replace(stages=2)) == []
+    fwd = Traits(hidden_size=4096, input_dtype="bfloat16", warps_n=4, bytes_per_ldg=16, stages=1)
+    assert search_space.register_ahead_variants(fwd) == []

@@ -46,6 +46,9 @@ def test_derived_quantities_match_the_kernel_formulas():
     (dict(sum_chains=True), "sum_chains must be 1"),
     (dict(sum_chains=2, backward=True), "for a forward"),
     (dict(sum_chains=4, input_dtype="float32", bytes_per_ldg=8), "at most elts_per_ldg \\(2\\)"),
+    (dict(register_ahead="yes", backward=True, stages=1), "register_ahead must be True or False"),
+    (dict(register_ahead=True, stages=1), "only for a backward with stages=1"),
+    (dict(register_ahead=True, backward=True, stages=2), "only for a backward with stages=1"),
     (dict(hidden_size=0), "positive"),
 ])
 def test_illegal_traits_name_the_rule(changes, rule):

@@ -188,6 +188,29 @@ def test_forwards_try_their_row_sums_in_more_chains(gpu):
     assert not any(dict(k)["sum_chains"] != 1 for k in gpu.timed_knobs(backward.key, 4097, "bfloat16"))
 
 
+def test_backwards_try_their_unstaged_shapes_with_the_next_row_ahead(gpu):
+    """Last, the KEEP fastest unstaged persistent shapes of a backward key are timed again with their next
+    row loaded ahead into registers, and one of those can win (the entry then holds the knob); a forward key
+    times none."""
+    def ms(knobs):
+        return fake_ms(knobs) - 0.001 * knobs["register_ahead"]
+
+    gpu.ms = ms
+    assert run_tune("--sizes", "4096", "--ops", "fwd,bwd", "--fresh").exit_code == 0
+    job = search_space.Job.of(4096, "bfloat16", True)
+    timed = [dict(k) for k in gpu.timed_knobs(job.key, 4096, "bfloat16")]
+    ahead = [k for k in timed if k["register_ahead"]]
+    unstaged = sorted((k for k in timed if not k["register_ahead"] and k["stages"] == 1),
+                      key=ms)
+    assert ahead and {frozen({**k, "register_ahead": False}) for k in ahead} == {
+        frozen(k) for k in unstaged[:tune.KEEP]}
+    best_plain = min((k for k in timed if not k["register_ahead"]), key=ms)
+    best_ahead = min(ahead, key=ms)
+    assert saved().knobs(job.key) == min((best_plain, best_ahead), key=ms)
+    forward = search_space.Job.of(4096, "bfloat16")
+    assert not any(dict(k)["register_ahead"] for k in gpu.timed_knobs(forward.key, 4096, "bfloat16"))
+
+
 def test_what_dispatch_runs_today_competes(gpu):
     """The incumbent (here a user-table entry: a slow launch shape with extras only the fastest shapes try)
     is timed beside the candidates, so a new entry is never one that loses to what it replaces."""
@@ -199,9 +222,9 @@ def test_what_dispatch_runs_today_competes(gpu):
     tables.save(table)
     assert run_tune("--sizes", "1024", "--ops", "fwd", "--fresh").exit_code == 0
     # A table entry written before a knob existed (lanes_per_row, persistent, merged_moments, pushed_exchange,
-    # register_sum_steps, unchecked_whole_steps, sum_chains here) is timed with that knob's default.
+    # register_sum_steps, unchecked_whole_steps, sum_chains, register_ahead here) is timed with that knob's default.
     defaults = {"lanes_per_row": 32, "persistent": True, "merged_moments": False, "pushed_exchange": False,
-                "register_sum_steps": 0, "unchecked_whole_steps": False, "sum_chains": 1}
+                "register_sum_steps": 0, "unchecked_whole_steps": False, "sum_chains": 1, "register_ahead": False}
     assert frozen({**incumbent, **defaults}) in gpu.timed_knobs(key, 1024, "bfloat16")
 
 

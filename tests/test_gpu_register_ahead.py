@@ -1,0 +1,116 @@
+"""Tier C: the register_ahead knob (an unstaged backward loads its next row into registers when it takes the
+current one). Only when the loads are issued changes, not what is added in which order: every output is the
+same bits as without the knob on the same grid (a knob that changes the CTAs an SM changes the grid's row
+groups, and so the order the partial rows are summed in), and dx the same bits on any grid."""
+import numpy as np
+import pytest
+
+from cunorm import check
+from conftest import assert_results_ok
+
+pytestmark = pytest.mark.gpu
+
+# (op, N, x dtype, weight dtype, knobs, other case fields): the H200 entries' shapes at 10240 (cluster rows,
+# pushed exchanges, sums of a step in registers) and 2048; folded rows (WARPS_M = 2); general rows of one row a
+# CTA and of a cluster on offset views; fp32 with dresidual of another dtype (dgamma after the reduction,
+# REFINE_MEAN); zero-centered RMSNorm with a bias, dx over dy (in place); the memory-efficient backward from y;
+# a second weight and bias; dropout and a row scale (dx0); fp64; per-tensor layouts drawn apart.
+CASES = [
+    ("layer_norm_backward", 10240, "bfloat16", "bfloat16",
+     dict(warps_n=4, ctas_per_row=4, bytes_per_ldg=8, smem_accumulators=True, register_sum_steps=1,
+          pushed_exchange=True), {}),
+    ("layer_norm_backward", 2048, "bfloat16", "float32", dict(warps_n=4, bytes_per_ldg=16, cache_weights=False,
+                                                              recompute=False), dict(dy_layout="stride:8")),
+    ("rms_norm_backward", 4096, "float16", "bfloat16", dict(warps_n=4, warps_m=2, bytes_per_ldg=8),
+     dict(has_bias=False, out_dtype="bfloat16")),
+    ("layer_norm_backward", 4097, "bfloat16", "bfloat16", dict(warps_n=4, bytes_per_ldg=8, smem_accumulators=True),
+     dict(layout="offset:3")),
+    ("rms_norm_backward", 8193, "float16", "float16", dict(warps_n=4, ctas_per_row=2, bytes_per_ldg=8,
+                                                          pushed_exchange=True), dict(layout="offset:1")),
+    ("layer_norm_backward", 2048, "float32", "bfloat16", dict(warps_n=4, bytes_per_ldg=16),
+     dict(residual_dtype="bfloat16", residual_layout="stride:4")),
+    ("rms_norm_backward", 6144, "bfloat16", "float32", dict(warps_n=8, bytes_per_ldg=8, cache_weights=False),
+     dict(has_bias=True, zero_centered=True, in_place=True)),
+    ("layer_norm_backward", 3072, "bfloat16", "bfloat16", dict(warps_n=4, bytes_per_ldg=8),
+     dict(from_output=True)),
+    ("layer_norm_backward", 2048, "bfloat16", "bfloat16", dict(warps_n=4, bytes_per_ldg=8),
+     dict(weight1_dtype="bfloat16", bias1_dtype="bfloat16")),
+    ("rms_norm_backward", 1024, "bfloat16", "bfloat16", dict(warps_n=2, bytes_per_ldg=8),
+     dict(has_bias=False, dropout_p=0.25, rowscale_dtype="float32")),
+    ("layer_norm_backward", 1025, "float64", "float64", dict(warps_n=8, bytes_per_ldg=16), {}),
+]
+
+
+@pytest.mark.parametrize("op, n, dtype, weight, knobs, fields", CASES, ids=[f"{c[0]}-{c[1]}-{c[2]}" for c in CASES])
+def test_rows_ahead_pass_the_check_with_the_plain_kernels_errors(op, n, dtype, weight, knobs, fields):
+    """Every output (poisoned first) against float64 with the knob on and off, 37 rows (fewer than either
+    grid's row groups, so each partial row sums the same rows whatever the occupancy) and 301 rows (several
+    a CTA: the next row is loaded ahead, and the last one's load is past the end); at 37 rows the float64
+    errors the same to the last bit on the same inputs (runs of one seed)."""
+    seed = int(np.random.SeedSequence().entropy % 2**63)
+    shape = {"stages": 1, **knobs}
+    for rows in (37, 301):
+        errors = []
+        for ahead in (False, True):
+            case = check.Case(op, n, rows, dtype, weight, knobs=tuple(sorted({**shape, "register_ahead": ahead}
+                                                                             .items())), **fields)
+            results = check.run_case(case, np.random.default_rng(seed))
+            assert_results_ok(results)
+            assert len(results) >= 2, case
+            errors.append([(r.output, r.error) for r in results])
+        if rows == 37:
+            assert errors[0] == errors[1], f"seed {seed}: {errors}"
+
+
+BITWISE = [(10240, "bfloat16", dict(warps_n=4, ctas_per_row=4, bytes_per_ldg=8, smem_accumulators=True,
+                                    register_sum_steps=1, pushed_exchange=True)),
+           (4096, "bfloat16", dict(warps_n=8, bytes_per_ldg=8, smem_accumulators=True, min_ctas_per_sm=2)),
+           (4097, "float16", dict(warps_n=4, warps_m=2, bytes_per_ldg=16)),
+           (2048, "bfloat16", dict(warps_n=4, bytes_per_ldg=16, recompute=False))]
+
+
+@pytest.mark.parametrize("rms", [False, True])
+@pytest.mark.parametrize("n, dtype, knobs", BITWISE, ids=[f"{c[0]}-{c[1]}-{len(c[2])}" for c in BITWISE])
+def test_the_outputs_are_the_same_bits(n, dtype, knobs, rms, rng):
+    """dx, dweight (and LayerNorm's dbias) of one call of 300 rows (several a CTA) with the knob on and off:
+    dx the same bits; the column sums the same bits where the two grids are the same size. Then a row's dx is
+    its own: the last 37 rows alone (the last rows of a copy whose other rows are NaN, so each keeps its
+    offset; a row that took another's loaded values would turn NaN) give the bits they have in the batch."""
+    import cupy
+
+    import cunorm
+    from cunorm import dispatch
+    from cunorm.compiler import kernels_for
+
+    case = check.Case("rms_norm_backward" if rms else "layer_norm_backward", n, 300, dtype, "bfloat16",
+                      has_bias=not rms)
+    x, w, _, _ = check._inputs(case, rng)
+    dy = cupy.asarray(rng.standard_normal(x.shape).astype(np.float32)).astype(x.dtype)
+    if rms:
+        _, rstd = cunorm.rms_norm(x, w, return_stats=True)
+        run = lambda k, d=dy, r=rstd, xs=x: cunorm.rms_norm_backward(d, xs, r, w, traits=k)  # noqa: E731
+    else:
+        _, mean, rstd = cunorm.layer_norm(x, w, w, return_stats=True)
+        run = lambda k, d=dy, r=rstd, xs=x, m=mean: cunorm.layer_norm_backward(d, xs, m, r, w, traits=k)  # noqa: E731
+    settings = [dict(knobs, stages=1), dict(knobs, stages=1, register_ahead=True)]
+
+    def bits(a):
+        return cupy.asnumpy(a).view(np.uint16 if a.dtype.itemsize == 2 else np.uint32)
+
+    def grid(setting):  # the row groups of a persistent grid: one wave (plans.Prepared.grid_groups)
+        traits = dispatch.from_knobs(setting, **check.case_call(case))
+        return kernels_for(traits, cupy.cuda.Device().id)["norm_bwd"].resident_clusters
+
+    with check.poisoned_allocations():
+        plain, ahead = ([bits(a) for a in run(s)] for s in settings)
+    assert len(plain) == len(ahead) == (2 if rms else 3)
+    assert (plain[0] == ahead[0]).all(), "dx"
+    if grid(settings[0]) == grid(settings[1]):
+        assert all((a == b).all() for a, b in zip(plain[1:], ahead[1:])), "column sums"
+    nan_x, nan_dy = x.copy(), dy.copy()  # fresh allocations: the same offsets modulo the vectors
+    nan_x[:-37] = cupy.nan
+    nan_dy[:-37] = cupy.nan
+    with check.poisoned_allocations():
+        tail = run(settings[1], d=nan_dy[-37:], r=rstd[-37:], xs=nan_x[-37:],
+                   **({} if rms else {"m": mean[-37:]}))
+    assert (bits(tail[0]) == ahead[0][-37:]).all(), "a row's dx alone and in the batch"

@@ -8,7 +8,8 @@ three steps:
 1. rank: every launch shape (`search_space.candidates`) and what dispatch runs for the
    call today, then the extras on the KEEP fastest shapes (`search_space.refinements`),
    then the KEEP fastest backwards with shared-memory column sums with some of
-   them in registers (`search_space.register_sum_variants`), each compiled
+   them in registers (`search_space.register_sum_variants`), then the other knobs'
+   passes (`rank`: whole steps unchecked, sum chains, rows ahead in registers), each compiled
    (kernels with local memory, i.e. spills, are dropped; a cluster row's
    pushed exchange that spills is timed with the barrier one instead) and
    timed once; those within SECOND_LOOK of the fastest
@@ -46,6 +47,7 @@ from .traits import Traits
 
 REPEAT = 6  # timed batches per measurement (bench.median_ms)
 KEEP = 2  # shapes whose extras are tried
+AHEAD_KEEP = 4  # unstaged backward shapes tried with their next row ahead in registers (register_ahead_variants)
 SECOND_LOOK = 0.10  # shapes screened within this fraction of the fastest are timed twice
 FINALISTS = 3
 ROUNDS = 5
@@ -165,9 +167,10 @@ def rank(shapes, case, device_id: int, arch: int, tick, echo, deadline=None, kee
     fastest with shared-memory column sums (as their all-in-shared-memory selves) with some sums in registers
     (`register_sum_variants`), then the `keep` fastest with their whole load steps unchecked
     (`unchecked_whole_steps_variants`: rows without full tiles), then a forward's `keep` fastest with their
-    row sums in more chains (`sum_chains_variants`), then a backward's `keep` fastest unstaged shapes with
-    their next row loaded ahead into registers (`register_ahead_variants`); each traits timed once, or twice
-    within SECOND_LOOK of the fastest so far (`_second_look`)."""
+    row sums in more chains (`sum_chains_variants`), then a backward's AHEAD_KEEP fastest unstaged shapes with
+    their next row loaded ahead into registers (`register_ahead_variants`: the knob reorders unstaged shapes,
+    so more of them than `keep`); each traits timed once, or twice within SECOND_LOOK of the fastest so far
+    (`_second_look`)."""
     ranked = _time_all(shapes, case, device_id, tick, echo, deadline)
 
     def add(candidates: list) -> list:
@@ -181,7 +184,7 @@ def rank(shapes, case, device_id: int, arch: int, tick, echo, deadline=None, kee
     ranked = add([v for _, t in ranked[:keep] for v in unchecked_whole_steps_variants(t)])
     ranked = add([v for _, t in ranked[:keep] for v in sum_chains_variants(t)])
     unstaged = [t for _, t in ranked if register_ahead_variants(t)]
-    return add([v for t in unstaged[:keep] for v in register_ahead_variants(t)])
+    return add([v for t in unstaged[:AHEAD_KEEP] for v in register_ahead_variants(t)])
 
 
 def _steps(shapes: list, backward: bool, keep: int, finalists: int, rounds: int) -> int:
@@ -192,7 +195,7 @@ def _steps(shapes: list, backward: bool, keep: int, finalists: int, rounds: int)
     register_sums = keep * (1 + len(REGISTER_SUM_SHARES)) if backward else 0  # register_sum_variants, at most
     unchecked = keep  # unchecked_whole_steps_variants, at most
     chains = 0 if backward else keep * len(SUM_CHAIN_COUNTS)  # sum_chains_variants, at most
-    ahead = keep if backward else 0  # register_ahead_variants, at most
+    ahead = AHEAD_KEEP if backward else 0  # register_ahead_variants, at most
     return (len(shapes) + keep * len(list(extra_combinations(backward))) + register_sums + unchecked + chains
             + ahead + (finalists + incumbent) * (rounds + 1))
 

@@ -189,9 +189,9 @@ def test_forwards_try_their_row_sums_in_more_chains(gpu):
 
 
 def test_backwards_try_their_unstaged_shapes_with_the_next_row_ahead(gpu):
-    """Last, the KEEP fastest unstaged persistent shapes of a backward key are timed again with their next
-    row loaded ahead into registers, and one of those can win (the entry then holds the knob); a forward key
-    times none."""
+    """Last, the AHEAD_KEEP fastest unstaged shapes of a backward key are timed again with their next row
+    loaded ahead into registers, and one of those can win (the entry then holds the knob); a forward key times
+    none."""
     def ms(knobs):
         return fake_ms(knobs) - 0.001 * knobs["register_ahead"]
 
@@ -203,7 +203,7 @@ def test_backwards_try_their_unstaged_shapes_with_the_next_row_ahead(gpu):
     unstaged = sorted((k for k in timed if not k["register_ahead"] and k["stages"] == 1),
                       key=ms)
     assert ahead and {frozen({**k, "register_ahead": False}) for k in ahead} == {
-        frozen(k) for k in unstaged[:tune.KEEP]}
+        frozen(k) for k in unstaged[:tune.AHEAD_KEEP]}
     best_plain = min((k for k in timed if not k["register_ahead"]), key=ms)
     best_ahead = min(ahead, key=ms)
     assert saved().knobs(job.key) == min((best_plain, best_ahead), key=ms)

@@ -66,6 +66,26 @@ def assert_results_ok(results):
     assert not bad, "\n".join(bad)
 
 
+def bits(a):
+    """A GPU array's bits as unsigned integers of 2 or 4 bytes (for same-bits comparisons of results)."""
+    import cupy
+    import numpy as np
+
+    return cupy.asnumpy(a).view(np.uint16 if a.dtype.itemsize == 2 else np.uint32)
+
+
+def backward_grid(case, knobs: dict) -> int:
+    """The row groups of the persistent grid of `case`'s backward with `knobs` forced, one wave
+    (plans.Prepared.grid_groups): the column sums are added in the same order where it is the same."""
+    import cupy
+
+    from cunorm import check, dispatch
+    from cunorm.compiler import kernels_for
+
+    traits = dispatch.from_knobs(knobs, **check.case_call(case))
+    return kernels_for(traits, cupy.cuda.Device().id)["norm_bwd"].resident_clusters
+
+
 @pytest.fixture
 def poisoned():
     """poisoned(shape, dtype="float32"): a CuPy output array filled with NaN, so that an element a call leaves

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from cunorm import check
-from conftest import assert_results_ok
+from conftest import assert_results_ok, backward_grid, bits
 
 pytestmark = pytest.mark.gpu
 
@@ -79,9 +79,6 @@ def test_the_outputs_are_the_same_bits(n, dtype, knobs, rms, rng):
     import cupy
 
     import cunorm
-    from cunorm import dispatch
-    from cunorm.compiler import kernels_for
-
     case = check.Case("rms_norm_backward" if rms else "layer_norm_backward", n, 300, dtype, "bfloat16",
                       has_bias=not rms)
     x, w, _, _ = check._inputs(case, rng)
@@ -94,18 +91,11 @@ def test_the_outputs_are_the_same_bits(n, dtype, knobs, rms, rng):
         run = lambda k, d=dy, r=rstd, xs=x, m=mean: cunorm.layer_norm_backward(d, xs, m, r, w, traits=k)  # noqa: E731
     settings = [dict(knobs, stages=1), dict(knobs, stages=1, register_ahead=True)]
 
-    def bits(a):
-        return cupy.asnumpy(a).view(np.uint16 if a.dtype.itemsize == 2 else np.uint32)
-
-    def grid(setting):  # the row groups of a persistent grid: one wave (plans.Prepared.grid_groups)
-        traits = dispatch.from_knobs(setting, **check.case_call(case))
-        return kernels_for(traits, cupy.cuda.Device().id)["norm_bwd"].resident_clusters
-
     with check.poisoned_allocations():
         plain, ahead = ([bits(a) for a in run(s)] for s in settings)
     assert len(plain) == len(ahead) == (2 if rms else 3)
     assert (plain[0] == ahead[0]).all(), "dx"
-    if grid(settings[0]) == grid(settings[1]):
+    if backward_grid(case, settings[0]) == backward_grid(case, settings[1]):
         assert all((a == b).all() for a, b in zip(plain[1:], ahead[1:])), "column sums"
     nan_x, nan_dy = x.copy(), dy.copy()  # fresh allocations: the same offsets modulo the vectors
     nan_x[:-37] = cupy.nan

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from cunorm import check
-from conftest import assert_results_ok
+from conftest import assert_results_ok, backward_grid, bits
 
 pytestmark = pytest.mark.gpu
 
@@ -77,7 +77,6 @@ def test_the_outputs_are_the_same_bits(n, dtype, knobs, rms, rng):
 
     import cunorm
     from cunorm import dispatch
-    from cunorm.compiler import kernels_for
 
     case = check.Case("rms_norm_backward" if rms else "layer_norm_backward", n, 300, dtype, "bfloat16",
                       has_bias=not rms)
@@ -94,16 +93,9 @@ def test_the_outputs_are_the_same_bits(n, dtype, knobs, rms, rng):
     settings = [dict(shape, smem_accumulators=False)] + [dict(shape, register_sum_steps=k)
                                                           for k in sorted({0, 1, ldgs // 2, ldgs - 1})]
 
-    def bits(a):
-        return cupy.asnumpy(a).view(np.uint16 if a.dtype.itemsize == 2 else np.uint32)
-
-    def grid(setting):  # the row groups of a persistent grid: one wave (plans.Prepared.grid_groups)
-        traits = dispatch.from_knobs(setting, **check.case_call(case))
-        return kernels_for(traits, cupy.cuda.Device().id)["norm_bwd"].resident_clusters
-
     with check.poisoned_allocations():
         outs = [[bits(a) for a in run(setting)] for setting in settings]
-    grids = [grid(setting) for setting in settings]
+    grids = [backward_grid(case, setting) for setting in settings]
     assert all(len(o) == (2 if rms else 3) for o in outs)
     assert all((o[0] == outs[0][0]).all() for o in outs), "dx"
     for i, j in [(i, j) for i in range(len(settings)) for j in range(i) if grids[i] == grids[j]]:

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from cunorm import check
-from conftest import assert_results_ok
+from conftest import assert_results_ok, bits
 
 pytestmark = pytest.mark.gpu
 
@@ -79,9 +79,6 @@ def test_a_rows_result_is_its_own(rms, n, rng):
         if rms:
             return list(cunorm.rms_norm(rows, w, return_stats=True, traits=knobs))
         return list(cunorm.layer_norm(rows, w, w, return_stats=True, traits=knobs))
-
-    def bits(a):
-        return cupy.asnumpy(a).view(np.uint16 if a.dtype.itemsize == 2 else np.uint32)
 
     with check.poisoned_allocations():
         whole, alone = run(x), run(neighbours[-37:])

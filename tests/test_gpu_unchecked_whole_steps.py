@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from cunorm import check
-from conftest import assert_results_ok
+from conftest import assert_results_ok, bits
 
 pytestmark = pytest.mark.gpu
 
@@ -85,9 +85,6 @@ def test_the_outputs_are_the_same_bits(n, dtype, knobs, rms, rng):
         y, mean, rstd = cunorm.layer_norm(x, w, w, return_stats=True, traits=k)
         return [y, mean, rstd], [cunorm.layer_norm_backward(g, a, m, r, w, traits=k)
                                  for g, a, m, r in ((dy, x, mean, rstd), (dy[:37], x[:37], mean[:37], rstd[:37]))]
-
-    def bits(a):
-        return cupy.asnumpy(a).view(np.uint16 if a.dtype.itemsize == 2 else np.uint32)
 
     with check.poisoned_allocations():
         (fwd0, (bwd0, few0)), (fwd1, (bwd1, few1)) = run(False), run(True)

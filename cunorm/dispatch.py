@@ -71,9 +71,10 @@ def from_knobs(knobs: dict, **call) -> Traits:
 # Origins of a choice besides the tables' (Table.origin); CALLER: knobs or traits the caller gave.
 HEURISTIC, TUNED_LITERAL, CALLER = "heuristic", "tuned", "caller"
 # A spilling pick's replacements (`fallbacks`): its own shape at half the CTAs an SM or at half its load width
-# (origin: the pick's origin and HALF_CTAS or HALF_LOADS), or the heuristic's.
+# (origin: the pick's origin and NOT_AHEAD, HALF_CTAS or HALF_LOADS), or the heuristic's.
 HALF_CTAS, HEURISTIC_FALLBACK = "at half its CTAs an SM (the pick spills)", "heuristic (the pick spills)"
 HALF_LOADS = "at half its load width (the pick spills)"
+NOT_AHEAD = "without its rows ahead in registers (the pick spills)"
 # A pick whose 16-CTA cluster this GPU holds none of runs the heuristic's pick within portable clusters.
 PORTABLE_FALLBACK = "heuristic within portable clusters (this GPU holds no 16-CTA cluster)"
 
@@ -140,7 +141,8 @@ def fallback(arch: int, **call) -> Traits:
 
 def fallbacks(spilled: Traits, origin: str, arch: int, **call) -> list:
     """[(traits, origin)] to try, in order, for a call whose pick `spilled` (from `origin`) compiles with
-    spills: a measured persistent shape at half its CTAs an SM (twice the registers a thread: general rows
+    spills: a measured pick with `register_ahead` without it first (the same shape, a row's vectors fewer
+    registers a thread), then a measured persistent shape at half its CTAs an SM (twice the registers a thread: general rows
     borrow knobs measured on aligned rows, whose kernel needs fewer; 36 of the 47 measured picks that spill on
     general rows compile clean so, docs/runs/2026-11-26-general-rows-spilling-picks.txt), then at half its
     load width (the same elements a thread in twice the load steps: the two H200 entries that spill with fp32
@@ -150,7 +152,7 @@ def fallbacks(spilled: Traits, origin: str, arch: int, **call) -> list:
     plain = fallback(arch, **call)
     out = []
     if spilled != plain and spilled.persistent:
-        halves = []
+        halves = [(dict(register_ahead=False), NOT_AHEAD)] if spilled.register_ahead else []
         if spilled.min_ctas_per_sm > 1:
             halves.append((dict(min_ctas_per_sm=spilled.min_ctas_per_sm // 2), HALF_CTAS))
         if spilled.bytes_per_ldg > 4:

@@ -57,6 +57,7 @@ typedef ${X1_T} x1_t;
 typedef ${WEIGHT1_T} weight1_t;
 typedef ${BIAS1_T} bias1_t;
 static_assert(!X1 || !ROWSCALE, "x1: not with a row scale");
+static_assert(!REGISTER_AHEAD, "rows ahead in registers: a backward knob (traits' rule)");
 static_assert(!PARALLEL || (QUANT == QUANT_NONE && !AMAX && !PER_HEAD), "y1: not with fp8 or per-head weights");
 static_assert(!HAS_BIAS1 || PARALLEL, "beta1 needs gamma1");
 constexpr bool STORES_H = HAS_RESIDUAL || BRANCH || X1;  // h in compute_t, stored as residual_out

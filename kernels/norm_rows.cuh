@@ -56,6 +56,8 @@ struct Coords {
     const long long first = static_cast<long long>(reinterpret_cast<unsigned long long>(x) / sizeof(input_t));
     return static_cast<int>((first + row_offset(ldx, row)) % ELTS_PER_LDG);
   }
+  // Rows between one row of this thread and its next (a persistent grid's walk: for_each_row).
+  __device__ __forceinline__ long long row_stride() const { return groups * ROWS_PER_CTA; }
   // Vector column of LDG step `it`, and whether it holds any element of the row.
   __device__ __forceinline__ int vec(int it) const { return col + it * VEC_COLS_PER_LDG; }
   __device__ __forceinline__ bool in_row(int it) const {
@@ -261,18 +263,20 @@ struct RowPipe {
       });
     }
   }
-  // This thread's vectors of `row`, which `stage` holds (once its copies
-  // landed); lanes outside the row are masked by mask_row, not here.
   // REGISTER_AHEAD: starts loading this thread's first row (for_each_row).
   __device__ __forceinline__ void prime(long long row, const Coords& at) {
     if constexpr (AHEAD) load_row(held, base, row, ld, rows, at);
   }
-  // REGISTER_AHEAD: the held row, and the loads of the thread's next one started (a row stride on: for_each_row's).
+  // This thread's vectors of `row`, which `stage` holds (once its copies
+  // landed); lanes outside the row are masked by mask_row, not here.
+  // REGISTER_AHEAD: the held row, and the loads of the thread's next one
+  // started; so one read a row the thread walks, in order (a pipe may stop
+  // being read for good from some row on, as a residual's past the end).
   __device__ __forceinline__ void read(int stage, long long row, V (&v)[LDGS], const Coords& at) {
     if constexpr (AHEAD) {
 #pragma unroll
       for (int it = 0; it < LDGS; ++it) v[it] = held[it];
-      load_row(held, base, row + at.groups * ROWS_PER_CTA, ld, rows, at);
+      load_row(held, base, row + at.row_stride(), ld, rows, at);
     } else if constexpr (STAGES > 1) {
 #pragma unroll
       for (int it = 0; it < LDGS; ++it) v[it] = slots[stage * STAGE_SLOTS + it * THREADS_PER_ROW];
@@ -290,7 +294,7 @@ struct RowPipe {
 // barriers); rows past the end arrive as zeros and are not to be stored.
 template <typename Body, typename... Pipes>
 __device__ __forceinline__ void for_each_row(long long rows, const Coords& at, Body&& body, Pipes&... pipes) {
-  const long long stride = at.groups * ROWS_PER_CTA;
+  const long long stride = at.row_stride();
   const long long first = at.group * ROWS_PER_CTA + at.warp_m;
 #pragma unroll
   for (int k = 0; k < STAGES - 1; ++k) {

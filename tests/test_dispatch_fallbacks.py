@@ -171,6 +171,25 @@ def test_a_spilling_sixteen_cta_entry_whose_half_ctas_shape_is_not_resident_take
     assert tried == [pick] + [t for t, _ in options]
 
 
+def test_a_spilling_pick_with_rows_ahead_tries_itself_without_them_first():
+    """A measured pick with register_ahead that spills for a call (another weight dtype, general rows
+    borrowing it) runs without the knob first: the same shape, a row's vectors fewer registers a thread; then
+    the halves of its register budget and the heuristic, each as for any pick."""
+    case = check.Case("layer_norm_backward", 4096, 3, "bfloat16", "float32")
+    call = check.case_call(case)
+    pick = dispatch.from_knobs(dict(warps_n=8, bytes_per_ldg=8, stages=1, smem_accumulators=True, min_ctas_per_sm=2,
+                                    register_ahead=True), **call)
+    options = dispatch.fallbacks(pick, "a table", 90, **call)
+    assert options[0] == (pick.replace(register_ahead=False), f"a table {dispatch.NOT_AHEAD}")
+    assert [why for _, why in options[1:]] == [f"a table {dispatch.HALF_CTAS}", f"a table {dispatch.HALF_LOADS}",
+                                               dispatch.HEURISTIC_FALLBACK]
+    assert all(t.register_ahead for t, _ in options[1:-1])
+    spilling = {pick}
+    assert dispatch.without_spills(pick, "a table", spilling.__contains__, 90, **call) == options[0]
+    plain = pick.replace(register_ahead=False)
+    assert dispatch.fallbacks(plain, "a table", 90, **call)[0][1] == f"a table {dispatch.HALF_CTAS}"
+
+
 def test_kernels_whose_cluster_is_not_resident_are_loaded_once(monkeypatch):
     """compiler.kernels_for remembers ClusterNotResident: a plan asks twice (the family's spill test, then
     dispatch's) and every later plan asks again; the kernels are compiled and queried once."""

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from cunorm import check
-from conftest import assert_results_ok, backward_grid, bits
+from conftest import assert_results_ok, bits, launch_grids
 
 pytestmark = pytest.mark.gpu
 
@@ -42,23 +42,30 @@ CASES = [
 
 
 @pytest.mark.parametrize("op, n, dtype, weight, knobs, fields", CASES, ids=[f"{c[0]}-{c[1]}-{c[2]}" for c in CASES])
-def test_rows_ahead_pass_the_check_with_the_plain_kernels_errors(op, n, dtype, weight, knobs, fields):
-    """Every output (poisoned first) against float64 with the knob on and off, 37 rows (fewer than either
-    grid's row groups, so each partial row sums the same rows whatever the occupancy) and 301 rows (several
-    a CTA: the next row is loaded ahead, and the last one's load is past the end); at 37 rows the float64
-    errors the same to the last bit on the same inputs (runs of one seed)."""
+def test_rows_ahead_pass_the_check_with_the_plain_kernels_errors(op, n, dtype, weight, knobs, fields, launches):
+    """Every output (poisoned first) against float64 with the knob on and off, at 37 rows and 301 rows (at 301
+    more rows than the grid's row groups at every case here: threads load rows ahead, and the last one's load
+    is past the end); on the same inputs (runs of one seed) and the same grids, the float64 errors the same to
+    the last bit. One-launch backwards (no cluster, up to plans.FUSE_ROW_ELEMENTS) have a grid of their own
+    that the registers do not move: there the grids must be the same."""
+    from cunorm.norm.plans import FUSE_ROW_ELEMENTS
+
     seed = int(np.random.SeedSequence().entropy % 2**63)
     shape = {"stages": 1, **knobs}
     for rows in (37, 301):
-        errors = []
+        errors, grids = [], []
         for ahead in (False, True):
             case = check.Case(op, n, rows, dtype, weight, knobs=tuple(sorted({**shape, "register_ahead": ahead}
                                                                              .items())), **fields)
+            launch_grids(launches)
             results = check.run_case(case, np.random.default_rng(seed))
+            grids.append(launch_grids(launches))
             assert_results_ok(results)
             assert len(results) >= 2, case
             errors.append([(r.output, r.error) for r in results])
-        if rows == 37:
+        if knobs.get("ctas_per_row", 1) == 1 and rows * n <= FUSE_ROW_ELEMENTS:
+            assert grids[0] == grids[1], grids
+        if grids[0] == grids[1]:
             assert errors[0] == errors[1], f"seed {seed}: {errors}"
 
 
@@ -71,36 +78,39 @@ BITWISE = [(10240, "bfloat16", dict(warps_n=4, ctas_per_row=4, bytes_per_ldg=8, 
 
 @pytest.mark.parametrize("rms", [False, True])
 @pytest.mark.parametrize("n, dtype, knobs", BITWISE, ids=[f"{c[0]}-{c[1]}-{len(c[2])}" for c in BITWISE])
-def test_the_outputs_are_the_same_bits(n, dtype, knobs, rms, rng):
-    """dx, dweight (and LayerNorm's dbias) of one call of 300 rows (several a CTA) with the knob on and off:
-    dx the same bits; the column sums the same bits where the two grids are the same size. Then a row's dx is
-    its own: the last 37 rows alone (the last rows of a copy whose other rows are NaN, so each keeps its
-    offset; a row that took another's loaded values would turn NaN) give the bits they have in the batch."""
+def test_the_outputs_are_the_same_bits(n, dtype, knobs, rms, rng, launches):
+    """dx, dweight (and LayerNorm's dbias) of one call of 2000 rows (several a CTA, two launches) with the
+    knob on and off: dx the same bits; the column sums the same bits where the launches' grids are the same
+    (the knob's registers can move the CTAs an SM, and so the row groups). Then a row's dx is its own: the
+    last 37 rows alone (views of the same arrays: each row at its own offset) give the bits they have in the
+    batch, though their CTAs walk them, and load ahead, with another stride."""
     import cupy
 
     import cunorm
-    case = check.Case("rms_norm_backward" if rms else "layer_norm_backward", n, 300, dtype, "bfloat16",
+
+    case = check.Case("rms_norm_backward" if rms else "layer_norm_backward", n, 2000, dtype, "bfloat16",
                       has_bias=not rms)
     x, w, _, _ = check._inputs(case, rng)
     dy = cupy.asarray(rng.standard_normal(x.shape).astype(np.float32)).astype(x.dtype)
     if rms:
         _, rstd = cunorm.rms_norm(x, w, return_stats=True)
-        run = lambda k, d=dy, r=rstd, xs=x: cunorm.rms_norm_backward(d, xs, r, w, traits=k)  # noqa: E731
+        run = lambda k, rows=slice(None): cunorm.rms_norm_backward(dy[rows], x[rows], rstd[rows], w, traits=k)  # noqa: E731
     else:
         _, mean, rstd = cunorm.layer_norm(x, w, w, return_stats=True)
-        run = lambda k, d=dy, r=rstd, xs=x, m=mean: cunorm.layer_norm_backward(d, xs, m, r, w, traits=k)  # noqa: E731
+        run = lambda k, rows=slice(None): cunorm.layer_norm_backward(  # noqa: E731
+            dy[rows], x[rows], mean[rows], rstd[rows], w, traits=k)
     settings = [dict(knobs, stages=1), dict(knobs, stages=1, register_ahead=True)]
-
-    with check.poisoned_allocations():
-        plain, ahead = ([bits(a) for a in run(s)] for s in settings)
+    launch_grids(launches)
+    outs, grids = [], []
+    for setting in settings:
+        with check.poisoned_allocations():
+            outs.append([bits(a) for a in run(setting)])
+        grids.append(launch_grids(launches))
+    (plain, ahead), (plain_grid, ahead_grid) = outs, grids
     assert len(plain) == len(ahead) == (2 if rms else 3)
     assert (plain[0] == ahead[0]).all(), "dx"
-    if backward_grid(case, settings[0]) == backward_grid(case, settings[1]):
+    if plain_grid == ahead_grid:
         assert all((a == b).all() for a, b in zip(plain[1:], ahead[1:])), "column sums"
-    nan_x, nan_dy = x.copy(), dy.copy()  # fresh allocations: the same offsets modulo the vectors
-    nan_x[:-37] = cupy.nan
-    nan_dy[:-37] = cupy.nan
     with check.poisoned_allocations():
-        tail = run(settings[1], d=nan_dy[-37:], r=rstd[-37:], xs=nan_x[-37:],
-                   **({} if rms else {"m": mean[-37:]}))
+        tail = run(settings[1], slice(-37, None))
     assert (bits(tail[0]) == ahead[0][-37:]).all(), "a row's dx alone and in the batch"

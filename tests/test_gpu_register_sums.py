@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from cunorm import check
-from conftest import assert_results_ok, backward_grid, bits
+from conftest import assert_results_ok, bits, launch_grids
 
 pytestmark = pytest.mark.gpu
 
@@ -66,7 +66,7 @@ BITWISE = [(4096 * 3, "bfloat16", dict(warps_n=8, bytes_per_ldg=8)),  # one row 
 
 @pytest.mark.parametrize("rms", [False, True])
 @pytest.mark.parametrize("n, dtype, knobs", BITWISE, ids=[f"{c[0]}-{c[1]}-{len(c[2])}" for c in BITWISE])
-def test_the_outputs_are_the_same_bits(n, dtype, knobs, rms, rng):
+def test_the_outputs_are_the_same_bits(n, dtype, knobs, rms, rng, launches):
     """dx, dweight (and LayerNorm's dbias) of one call of 300 rows (several a CTA), with every sum in shared
     memory, with every sum in registers and with 1, half and all but one of the load steps' sums in registers:
     dx the same bits in every setting; the column sums the same bits wherever the grid is (a grid of other
@@ -93,9 +93,12 @@ def test_the_outputs_are_the_same_bits(n, dtype, knobs, rms, rng):
     settings = [dict(shape, smem_accumulators=False)] + [dict(shape, register_sum_steps=k)
                                                           for k in sorted({0, 1, ldgs // 2, ldgs - 1})]
 
-    with check.poisoned_allocations():
-        outs = [[bits(a) for a in run(setting)] for setting in settings]
-    grids = [backward_grid(case, setting) for setting in settings]
+    launch_grids(launches)
+    outs, grids = [], []
+    for setting in settings:
+        with check.poisoned_allocations():
+            outs.append([bits(a) for a in run(setting)])
+        grids.append(launch_grids(launches))
     assert all(len(o) == (2 if rms else 3) for o in outs)
     assert all((o[0] == outs[0][0]).all() for o in outs), "dx"
     for i, j in [(i, j) for i in range(len(settings)) for j in range(i) if grids[i] == grids[j]]:

@@ -142,8 +142,8 @@ def fallback(arch: int, **call) -> Traits:
 def fallbacks(spilled: Traits, origin: str, arch: int, **call) -> list:
     """[(traits, origin)] to try, in order, for a call whose pick `spilled` (from `origin`) compiles with
     spills: a measured pick with `register_ahead` without it first (the same shape, a row's vectors fewer
-    registers a thread), then a measured persistent shape at half its CTAs an SM (twice the registers a thread: general rows
-    borrow knobs measured on aligned rows, whose kernel needs fewer; 36 of the 47 measured picks that spill on
+    registers a thread), then a measured persistent shape at half its CTAs an SM (twice the registers a
+    thread: general rows borrow knobs measured on aligned rows, whose kernel needs fewer; 36 of the 47 measured picks that spill on
     general rows compile clean so, docs/runs/2026-11-26-general-rows-spilling-picks.txt), then at half its
     load width (the same elements a thread in twice the load steps: the two H200 entries that spill with fp32
     weights, LayerNorm forward 262144 and backward 196608 with bf16 x, compile clean so and read 0.600 and

@@ -203,12 +203,13 @@ constexpr int PIPE_SLOTS = STAGES > 1 ? STAGES * STAGE_SLOTS : 0;
 // when not ACTIVE: an absent residual). Each thread copies exactly the vectors
 // it later reads itself, so stages need no barrier: a thread waits only for
 // its own copies. With STAGES == 1 rows are loaded straight into registers
-// when read (REGISTER_AHEAD: when the row before is read). A shifted row's ends are copied as whole chunks (the bytes
-// before the row lie in the same allocation, which is aligned; those past it
-// in the next row: see tail_inside) and masked after reading (mask_row). The
-// last row's end is copied exactly: up to the row's end, cp.async filling the
-// rest with zeros, and a chunk that the row ends inside element by element (a
-// zero-filling cp.async still counts as a whole-chunk access).
+// when read (REGISTER_AHEAD: when the row before is read). A shifted row's
+// ends are copied as whole chunks (the bytes before the row lie in the same
+// allocation, which is aligned; those past it in the next row: see
+// tail_inside) and masked after reading (mask_row). The last row's end is
+// copied exactly: up to the row's end, cp.async filling the rest with zeros,
+// and a chunk that the row ends inside element by element (a zero-filling
+// cp.async still counts as a whole-chunk access).
 template <typename T, bool ACTIVE = true>
 struct RowPipe {
   using V = Vec<T, ELTS_PER_LDG>;

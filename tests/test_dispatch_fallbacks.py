@@ -177,8 +177,8 @@ def test_a_spilling_pick_with_rows_ahead_tries_itself_without_them_first():
     the halves of its register budget and the heuristic, each as for any pick."""
     case = check.Case("layer_norm_backward", 4096, 3, "bfloat16", "float32")
     call = check.case_call(case)
-    pick = dispatch.from_knobs(dict(warps_n=8, bytes_per_ldg=8, stages=1, smem_accumulators=True, min_ctas_per_sm=2,
-                                    register_ahead=True), **call)
+    pick = dispatch.from_knobs(dict(warps_n=8, bytes_per_ldg=8, stages=1, smem_accumulators=True,
+                                    min_ctas_per_sm=2, register_ahead=True), **call)
     options = dispatch.fallbacks(pick, "a table", 90, **call)
     assert options[0] == (pick.replace(register_ahead=False), f"a table {dispatch.NOT_AHEAD}")
     assert [why for _, why in options[1:]] == [f"a table {dispatch.HALF_CTAS}", f"a table {dispatch.HALF_LOADS}",

@@ -94,7 +94,8 @@ def test_the_outputs_are_the_same_bits(n, dtype, knobs, rms, rng, launches):
     dy = cupy.asarray(rng.standard_normal(x.shape).astype(np.float32)).astype(x.dtype)
     if rms:
         _, rstd = cunorm.rms_norm(x, w, return_stats=True)
-        run = lambda k, rows=slice(None): cunorm.rms_norm_backward(dy[rows], x[rows], rstd[rows], w, traits=k)  # noqa: E731
+        run = lambda k, rows=slice(None): cunorm.rms_norm_backward(  # noqa: E731
+            dy[rows], x[rows], rstd[rows], w, traits=k)
     else:
         _, mean, rstd = cunorm.layer_norm(x, w, w, return_stats=True)
         run = lambda k, rows=slice(None): cunorm.layer_norm_backward(  # noqa: E731

@@ -79,8 +79,8 @@ BITWISE = [(10240, "bfloat16", dict(warps_n=4, ctas_per_row=4, bytes_per_ldg=8, 
 @pytest.mark.parametrize("rms", [False, True])
 @pytest.mark.parametrize("n, dtype, knobs", BITWISE, ids=[f"{c[0]}-{c[1]}-{len(c[2])}" for c in BITWISE])
 def test_the_outputs_are_the_same_bits(n, dtype, knobs, rms, rng, launches):
-    """dx, dweight (and LayerNorm's dbias) of one call of 2000 rows (several a CTA, two launches) with the
-    knob on and off: dx the same bits; the column sums the same bits where the launches' grids are the same
+    """dx, dweight (and LayerNorm's dbias) of one call of 2000 rows (several a CTA; one launch at 2048, two
+    elsewhere) with the knob on and off: dx the same bits; the column sums the same bits where the launches' grids are the same
     (the knob's registers can move the CTAs an SM, and so the row groups). Then a row's dx is its own: the
     last 37 rows alone (views of the same arrays: each row at its own offset) give the bits they have in the
     batch, though their CTAs walk them, and load ahead, with another stride."""

@@ -152,19 +152,19 @@ def fallbacks(spilled: Traits, origin: str, arch: int, **call) -> list:
     plain = fallback(arch, **call)
     out = []
     if spilled != plain and spilled.persistent:
-        halves = [(dict(register_ahead=False), NOT_AHEAD)] if spilled.register_ahead else []
+        changes = [(dict(register_ahead=False), NOT_AHEAD)] if spilled.register_ahead else []
         if spilled.min_ctas_per_sm > 1:
-            halves.append((dict(min_ctas_per_sm=spilled.min_ctas_per_sm // 2), HALF_CTAS))
+            changes.append((dict(min_ctas_per_sm=spilled.min_ctas_per_sm // 2), HALF_CTAS))
         if spilled.bytes_per_ldg > 4:
-            halves.append((dict(bytes_per_ldg=spilled.bytes_per_ldg // 2), HALF_LOADS))
-        for change, why in halves:
+            changes.append((dict(bytes_per_ldg=spilled.bytes_per_ldg // 2), HALF_LOADS))
+        for change, why in changes:
             try:
-                half = spilled.replace(**change)
-                half.check_arch(arch)  # more shared memory than the pick (weight slots, register sums' slots)
+                replacement = spilled.replace(**change)
+                replacement.check_arch(arch)  # more shared memory than the pick (weight slots, register sums')
             except ValueError:  # no such shape: half the load width below sum_chains' chains, or too few bytes
                 continue        # a load to stage
-            if half != plain:   # the heuristic's own pick runs under its own origin, last
-                out.append((half, f"{origin} {why}"))
+            if replacement != plain:  # the heuristic's own pick runs under its own origin, last
+                out.append((replacement, f"{origin} {why}"))
     return out + [(plain, HEURISTIC_FALLBACK)]
 
 

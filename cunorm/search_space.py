@@ -10,7 +10,7 @@ import itertools
 
 from . import dtypes, tables
 from .check import SHORT_NAMES
-from .traits import Traits
+from .traits import KNOB_DEFAULTS, Traits
 from .traits_rules import CTAS_PER_ROW_CHOICES, ctas_for_registers
 
 SHAPES = dict(ctas_per_row=CTAS_PER_ROW_CHOICES, warps_n=(1, 2, 4, 8, 16, 32), warps_m=(1, 2, 4, 8), bytes_per_ldg=(16, 8),
@@ -174,13 +174,16 @@ def extra_combinations(backward: bool):
             yield stages, min_ctas, cache, smem_acc, recompute
 
 
+# The knobs `tune.rank` tries in its passes after the extras (`*_variants` below), each on the fastest few
+# shapes: refinements start from their defaults.
+LATER_PASS_KNOBS = ("register_sum_steps", "unchecked_whole_steps", "sum_chains", "register_ahead")
+
+
 def refinements(shape: Traits, arch: int = 90) -> list:
     """Phase 1, on a fast shape: the extras (stages, register cap, weight caching, shared-memory sums); an
     unstaged forward's: its register caps, with weights held or re-read; a LayerNorm forward of cluster rows
     each of them with merged moments too; every refinement of cluster rows with the other exchange too."""
-    # (an incumbent's: its extras include sums in registers, unchecked whole steps, sum chains or rows ahead in
-    # registers: later passes try those)
-    shape = shape.replace(register_sum_steps=0, unchecked_whole_steps=False, sum_chains=1, register_ahead=False)
+    shape = shape.replace(**{knob: KNOB_DEFAULTS[knob] for knob in LATER_PASS_KNOBS})  # (an incumbent's)
     if not shape.persistent:
         unstaged = _unstaged(shape, UNSTAGED_CAPS, arch, caches=(False, True))
         return _with_pushed_exchanges(_with_merged_moments(unstaged))

@@ -74,6 +74,26 @@ def bits(a):
     return cupy.asnumpy(a).view(np.uint16 if a.dtype.itemsize == 2 else np.uint32)
 
 
+def backward_runner(case, rng):
+    """run(traits, rows=slice(None)): the backward of check.Case `case` (LayerNorm's or RMSNorm's; fresh x,
+    weight and dy, the statistics from the forward) on the rows `rows` of the batch (views of the same arrays),
+    with `traits` forced: for the knobs' same-bits tests."""
+    import cupy
+    import numpy as np
+
+    import cunorm
+    from cunorm import check
+
+    x, w, _, _ = check._inputs(case, rng)
+    dy = cupy.asarray(rng.standard_normal(x.shape).astype(np.float32)).astype(x.dtype)
+    if case.op == "rms_norm_backward":
+        _, rstd = cunorm.rms_norm(x, w, return_stats=True)
+        return lambda k, rows=slice(None): cunorm.rms_norm_backward(dy[rows], x[rows], rstd[rows], w, traits=k)
+    _, mean, rstd = cunorm.layer_norm(x, w, w, return_stats=True)
+    return lambda k, rows=slice(None): cunorm.layer_norm_backward(dy[rows], x[rows], mean[rows], rstd[rows], w,
+                                                                  traits=k)
+
+
 def launch_grids(launches) -> tuple:
     """The grids of the kernel launches the `launches` fixture recorded so far, which it then forgets: where two
     calls' backwards have the same grids, their column sums add the same partial rows in the same order."""

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from cunorm import check
-from conftest import assert_results_ok, bits, launch_grids
+from conftest import assert_results_ok, backward_runner, bits, launch_grids
 
 pytestmark = pytest.mark.gpu
 
@@ -84,22 +84,9 @@ def test_the_outputs_are_the_same_bits(n, dtype, knobs, rms, rng, launches):
     (the knob's registers can move the CTAs an SM, and so the row groups). Then a row's dx is its own: the
     last 37 rows alone (views of the same arrays: each row at its own offset) give the bits they have in the
     batch, though their CTAs walk them, and load ahead, with another stride."""
-    import cupy
-
-    import cunorm
-
     case = check.Case("rms_norm_backward" if rms else "layer_norm_backward", n, 2000, dtype, "bfloat16",
                       has_bias=not rms)
-    x, w, _, _ = check._inputs(case, rng)
-    dy = cupy.asarray(rng.standard_normal(x.shape).astype(np.float32)).astype(x.dtype)
-    if rms:
-        _, rstd = cunorm.rms_norm(x, w, return_stats=True)
-        run = lambda k, rows=slice(None): cunorm.rms_norm_backward(  # noqa: E731
-            dy[rows], x[rows], rstd[rows], w, traits=k)
-    else:
-        _, mean, rstd = cunorm.layer_norm(x, w, w, return_stats=True)
-        run = lambda k, rows=slice(None): cunorm.layer_norm_backward(  # noqa: E731
-            dy[rows], x[rows], mean[rows], rstd[rows], w, traits=k)
+    run = backward_runner(case, rng)
     settings = [dict(knobs, stages=1), dict(knobs, stages=1, register_ahead=True)]
     launch_grids(launches)
     outs, grids = [], []

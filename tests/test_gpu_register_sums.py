@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from cunorm import check
-from conftest import assert_results_ok, bits, launch_grids
+from conftest import assert_results_ok, backward_runner, bits, launch_grids
 
 pytestmark = pytest.mark.gpu
 
@@ -73,21 +73,11 @@ def test_the_outputs_are_the_same_bits(n, dtype, knobs, rms, rng, launches):
     occupancy groups the rows into other partial rows, which sums them in another order: RMSNorm 8193 at 2
     and 3 CTAs an SM on an H200, PERFORMANCE.md version 72), and at least one setting with sums in registers
     shares its grid with one without."""
-    import cupy
-
-    import cunorm
     from cunorm import dispatch
 
     case = check.Case("rms_norm_backward" if rms else "layer_norm_backward", n, 300, dtype, "bfloat16",
                       has_bias=not rms)
-    x, w, _, _ = check._inputs(case, rng)
-    dy = cupy.asarray(rng.standard_normal(x.shape).astype(np.float32)).astype(x.dtype)
-    if rms:
-        _, rstd = cunorm.rms_norm(x, w, return_stats=True)
-        run = lambda k: cunorm.rms_norm_backward(dy, x, rstd, w, traits=k)  # noqa: E731
-    else:
-        _, mean, rstd = cunorm.layer_norm(x, w, w, return_stats=True)
-        run = lambda k: cunorm.layer_norm_backward(dy, x, mean, rstd, w, traits=k)  # noqa: E731
+    run = backward_runner(case, rng)
     shape = {"stages": 1, "smem_accumulators": True, **knobs}
     ldgs = dispatch.from_knobs(shape, **check.case_call(case)).ldgs
     settings = [dict(shape, smem_accumulators=False)] + [dict(shape, register_sum_steps=k)

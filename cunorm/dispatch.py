@@ -70,8 +70,9 @@ def from_knobs(knobs: dict, **call) -> Traits:
 
 # Origins of a choice besides the tables' (Table.origin); CALLER: knobs or traits the caller gave.
 HEURISTIC, TUNED_LITERAL, CALLER = "heuristic", "tuned", "caller"
-# A spilling pick's replacements (`fallbacks`): its own shape at half the CTAs an SM or at half its load width
-# (origin: the pick's origin and NOT_AHEAD, HALF_CTAS or HALF_LOADS), or the heuristic's.
+# A spilling pick's replacements (`fallbacks`): its own shape without its rows ahead in registers, at half the CTAs
+# an SM or at half its load width (origin: the pick's origin and NOT_AHEAD, HALF_CTAS or HALF_LOADS), or the
+# heuristic's.
 HALF_CTAS, HEURISTIC_FALLBACK = "at half its CTAs an SM (the pick spills)", "heuristic (the pick spills)"
 HALF_LOADS = "at half its load width (the pick spills)"
 NOT_AHEAD = "without its rows ahead in registers (the pick spills)"

@@ -49,7 +49,7 @@ REPEAT = 6  # timed batches per measurement (bench.median_ms)
 KEEP = 2  # shapes whose extras are tried
 # Unstaged backward shapes tried with their next row ahead in registers (register_ahead_variants): the H200's
 # re-tune with 12 in place of 4 found shapes with the knob 0.05-0.10 of copy faster at LayerNorm backward 3840 /
-# 6144 / 16384 and RMSNorm backward 12800 (PERFORMANCE.md version 84).
+# 6144 / 16384 and RMSNorm backward 12800 / 14336 (PERFORMANCE.md version 84).
 AHEAD_KEEP = 12
 SECOND_LOOK = 0.10  # shapes screened within this fraction of the fastest are timed twice
 FINALISTS = 3

@@ -102,6 +102,20 @@ def launch_grids(launches) -> tuple:
     return grids
 
 
+def bits_and_grids(run, settings, launches) -> tuple[list, list]:
+    """Each setting's outputs (`run(setting)` on poisoned allocations) as bits, and the grids its launches had: the
+    knobs' same-bits tests compare the column sums only where two settings' grids are the same."""
+    from cunorm import check
+
+    launch_grids(launches)
+    outs, grids = [], []
+    for setting in settings:
+        with check.poisoned_allocations():
+            outs.append([bits(a) for a in run(setting)])
+        grids.append(launch_grids(launches))
+    return outs, grids
+
+
 @pytest.fixture
 def poisoned():
     """poisoned(shape, dtype="float32"): a CuPy output array filled with NaN, so that an element a call leaves

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from cunorm import check
-from conftest import assert_results_ok, backward_runner, bits, launch_grids
+from conftest import assert_results_ok, backward_runner, bits, bits_and_grids, launch_grids
 
 pytestmark = pytest.mark.gpu
 
@@ -88,12 +88,7 @@ def test_the_outputs_are_the_same_bits(n, dtype, knobs, rms, rng, launches):
                       has_bias=not rms)
     run = backward_runner(case, rng)
     settings = [dict(knobs, stages=1), dict(knobs, stages=1, register_ahead=True)]
-    launch_grids(launches)
-    outs, grids = [], []
-    for setting in settings:
-        with check.poisoned_allocations():
-            outs.append([bits(a) for a in run(setting)])
-        grids.append(launch_grids(launches))
+    outs, grids = bits_and_grids(run, settings, launches)
     (plain, ahead), (plain_grid, ahead_grid) = outs, grids
     assert len(plain) == len(ahead) == (2 if rms else 3)
     assert (plain[0] == ahead[0]).all(), "dx"

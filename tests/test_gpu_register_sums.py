@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from cunorm import check
-from conftest import assert_results_ok, backward_runner, bits, launch_grids
+from conftest import assert_results_ok, backward_runner, bits_and_grids
 
 pytestmark = pytest.mark.gpu
 
@@ -83,12 +83,7 @@ def test_the_outputs_are_the_same_bits(n, dtype, knobs, rms, rng, launches):
     settings = [dict(shape, smem_accumulators=False)] + [dict(shape, register_sum_steps=k)
                                                           for k in sorted({0, 1, ldgs // 2, ldgs - 1})]
 
-    launch_grids(launches)
-    outs, grids = [], []
-    for setting in settings:
-        with check.poisoned_allocations():
-            outs.append([bits(a) for a in run(setting)])
-        grids.append(launch_grids(launches))
+    outs, grids = bits_and_grids(run, settings, launches)
     assert all(len(o) == (2 if rms else 3) for o in outs)
     assert all((o[0] == outs[0][0]).all() for o in outs), "dx"
     for i, j in [(i, j) for i in range(len(settings)) for j in range(i) if grids[i] == grids[j]]:

@@ -84,6 +84,26 @@ def _incumbent(job: Job, arch: int, gpu, device_id: int) -> tuple:
         return None, None
 
 
+def sibling_pick(job: Job, arch: int, gpu, device_id: int) -> Traits | None:
+    """What runs the other norm's call of `job`'s key today (RMSNorm's for LayerNorm's and back; same direction,
+    N, dtype and residual), as traits of `job`'s call where they are legal there: a seed for the first round. The
+    two backwards share their loop, so a row shape fast for one is worth timing for the other, and the first
+    round's default extras may bury it (the H200's LayerNorm backward 32768 read 0.645 of copy with its pick,
+    0.809 with RMSNorm's shape, PERFORMANCE.md version 85)."""
+    from .dispatch import from_knobs
+
+    sibling = Job.of(job.n, job.dtype, job.key.backward, not job.key.rms, job.key.residual)
+    picked, _ = _incumbent(sibling, arch, gpu, device_id)
+    if picked is None:
+        return None
+    try:
+        t = from_knobs(picked.knobs(), **job.call_fields())
+        t.check_arch(arch)
+    except ValueError:  # a knob of the other norm alone (merged moments)
+        return None
+    return t
+
+
 def compiles_clean(traits: Traits, device_id: int) -> bool:
     """Whether `traits` compile to kernels without local memory (`compiler.keeps_local_memory`): a kernel that
     spills or keeps a stack frame is never a candidate (dispatch would replace it, `plan._plan`)."""
@@ -365,9 +385,12 @@ def run(sizes=SIZES, ops=tuple(OPS), residuals=(False,), dtype_names=("bfloat16"
     # Each compiles dispatch's pick (and, where that spills, its replacements).
     with ThreadPoolExecutor(max_workers=COMPILE_THREADS) as pool:
         incumbents = dict(zip(todo, pool.map(lambda j: _incumbent(j, arch, gpu, device_id), todo)))
+        siblings = dict(zip(todo, pool.map(lambda j: sibling_pick(j, arch, gpu, device_id), todo)))
     for j in todo:  # what runs the call today competes too, up to the final rounds (where it compiles clean)
         incumbent = incumbents[j][0]
-        for t in [incumbent, with_pushed_exchange(incumbent)] if incumbent is not None else []:  # and pushed exchanges
+        seeds = [incumbent, with_pushed_exchange(incumbent)] if incumbent is not None else []  # and pushed
+        seeds += [siblings[j]] if siblings[j] is not None else []  # and the other norm's pick, as this call's
+        for t in seeds:
             if shapes[j] and t not in shapes[j]:
                 shapes[j].append(t)
     for job in [j for j in todo if not shapes[j]]:  # nothing to time: say why, not "failed the check"

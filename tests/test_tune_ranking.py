@@ -228,6 +228,46 @@ def test_what_dispatch_runs_today_competes(gpu):
     assert frozen({**incumbent, **defaults}) in gpu.timed_knobs(key, 1024, "bfloat16")
 
 
+@pytest.mark.parametrize("op, sibling_op", [("fwd", "rms"), ("rms-bwd", "bwd")])
+def test_the_other_norms_pick_competes_as_this_calls(gpu, op, sibling_op):
+    """What runs the other norm's call at the same key (here its user-table entry: a slow launch shape with
+    extras only the fastest shapes try) is timed in the first round too: the two norms' row shapes carry over
+    (LayerNorm's backward 32768 on an H200 read 0.645 of copy with its pick, 0.809 with RMSNorm's shape)."""
+    backward, rms = search_space.OPS[op]
+    knobs = dict(warps_m=4, warps_n=1, ctas_per_row=1, bytes_per_ldg=8, stages=4, cache_weights=False,
+                 min_ctas_per_sm=1, smem_accumulators=False, recompute=True)
+    table = tables.new_table(GPU)
+    sibling_key = search_space.Job.of(1024, "bfloat16", *search_space.OPS[sibling_op]).key
+    table.put(sibling_key, knobs, ms=1.0, fraction_of_copy=0.5, spread=[0.5, 0.5], dtype="bfloat16",
+              measured_n=1024)
+    tables.save(table)
+    key = search_space.Job.of(1024, "bfloat16", backward, rms).key
+    assert frozen(dict(knobs, **_LATER_DEFAULTS)) not in {frozen(t.knobs()) for t in
+                                                          search_space.candidates(1024, "bfloat16", backward, 90, rms)}
+    assert run_tune("--sizes", "1024", "--ops", op, "--fresh").exit_code == 0
+    assert frozen(dict(knobs, **_LATER_DEFAULTS)) in gpu.timed_knobs(key, 1024, "bfloat16")
+
+
+def test_a_knob_the_other_norm_alone_has_leaves_its_pick_out(gpu):
+    """LayerNorm's forward pick of cluster rows with merged moments (a knob RMSNorm lacks) is no seed for
+    RMSNorm's forward: left out, and the key is tuned."""
+    knobs = dict(warps_m=1, warps_n=4, ctas_per_row=4, bytes_per_ldg=16, stages=2, cache_weights=True,
+                 min_ctas_per_sm=1, smem_accumulators=False, recompute=True, merged_moments=True)
+    table = tables.new_table(GPU)
+    table.put(search_space.Job.of(32768, "bfloat16").key, knobs, ms=1.0, fraction_of_copy=0.5, spread=[0.5, 0.5],
+              dtype="bfloat16", measured_n=32768)
+    tables.save(table)
+    job = search_space.Job.of(32768, "bfloat16", rms=True)
+    assert tune._incumbent(search_space.Job.of(32768, "bfloat16"), 90, GPU, 0)[0].merged_moments
+    assert tune.sibling_pick(job, 90, GPU, 0) is None
+    assert run_tune("--sizes", "32768", "--ops", "rms", "--fresh").exit_code == 0
+    assert job.key in saved().entries
+
+
+_LATER_DEFAULTS = {"lanes_per_row": 32, "persistent": True, "merged_moments": False, "pushed_exchange": False,
+                   "register_sum_steps": 0, "unchecked_whole_steps": False, "sum_chains": 1, "register_ahead": False}
+
+
 @pytest.mark.parametrize("times, ms, fraction, spread", [
     ([1.0, 4.0, 2.0], 2.0, 0.25, [0.125, 0.5]),  # the middle one, unsorted: means 2.33 ms, 0.29
     ([1.0, 4.0, 2.0, 10.0], 3.0, 0.1875, [0.05, 0.5]),  # the middle two's mean: means 4.25 ms, 0.23

@@ -253,6 +253,17 @@ def register_ahead_variants(t: Traits) -> list:
     return [t.replace(register_ahead=True)]
 
 
+def screened_ahead_variants(t: Traits) -> list:
+    """A backward shape as the first round screened it (staged, default extras) unstaged with its next row
+    ahead in registers: how a shape whose extras are never tried meets the knob."""
+    if not t.backward:
+        return []
+    try:
+        return register_ahead_variants(t.replace(stages=1))
+    except ValueError:  # (no unstaged self)
+        return []
+
+
 def _with_merged_moments(refined: list) -> list:
     """The refinements, and those of LayerNorm forwards of cluster rows again with merged moments."""
     out = list(refined)

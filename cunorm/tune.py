@@ -41,8 +41,8 @@ import numpy as np
 from . import tables
 from .check import check_knobs
 from .search_space import (OPS, REGISTER_SUM_SHARES, SIZES, SUM_CHAIN_COUNTS, Job, candidates, extra_combinations,
-                           plan, refinements, register_ahead_variants, register_sum_variants, sum_chains_variants,
-                           unchecked_whole_steps_variants, with_pushed_exchange)
+                           plan, refinements, register_ahead_variants, register_sum_variants, screened_ahead_variants,
+                           sum_chains_variants, unchecked_whole_steps_variants, with_pushed_exchange)
 from .traits import Traits
 
 REPEAT = 6  # timed batches per measurement (bench.median_ms)
@@ -51,6 +51,10 @@ KEEP = 2  # shapes whose extras are tried
 # re-tune with 12 in place of 4 found shapes with the knob 0.05-0.10 of copy faster at LayerNorm backward 3840 /
 # 6144 / 16384 and RMSNorm backward 12800 / 14336 (PERFORMANCE.md version 84).
 AHEAD_KEEP = 12
+# The first round's fastest shapes past the `keep` refined ones, also tried unstaged with their next row ahead:
+# their extras are never tried, so without this the knob meets only the `keep` fastest shapes' unstaged
+# extras (the H200's LayerNorm backward 12288 never met a cluster row with it; PERFORMANCE.md Next).
+AHEAD_SHAPES = 4
 SECOND_LOOK = 0.10  # shapes screened within this fraction of the fastest are timed twice
 FINALISTS = 3
 ROUNDS = 5
@@ -190,11 +194,12 @@ def rank(shapes, case, device_id: int, arch: int, tick, echo, deadline=None, kee
     fastest with shared-memory column sums (as their all-in-shared-memory selves) with some sums in registers
     (`register_sum_variants`), then the `keep` fastest with their whole load steps unchecked
     (`unchecked_whole_steps_variants`: rows without full tiles), then a forward's `keep` fastest with their
-    row sums in more chains (`sum_chains_variants`), then a backward's AHEAD_KEEP fastest unstaged shapes with
-    their next row loaded ahead into registers (`register_ahead_variants`: the knob reorders unstaged shapes,
-    so more of them than `keep`); each traits timed once, or twice within SECOND_LOOK of the fastest so far
-    (`_second_look`)."""
+    row sums in more chains (`sum_chains_variants`), then a backward's AHEAD_KEEP fastest unstaged shapes, and
+    the AHEAD_SHAPES fastest shapes of the first round past the `keep` unstaged, with their next row loaded
+    ahead into registers (`register_ahead_variants`: the knob reorders unstaged shapes, so more of them than
+    `keep`); each traits timed once, or twice within SECOND_LOOK of the fastest so far (`_second_look`)."""
     ranked = _time_all(shapes, case, device_id, tick, echo, deadline)
+    unrefined = [v for _, t in ranked[keep:keep + AHEAD_SHAPES] for v in screened_ahead_variants(t)]
 
     def add(candidates: list) -> list:
         timed = _time_all(candidates, case, device_id, tick, echo, deadline, skip={t for _, t in ranked},
@@ -207,7 +212,8 @@ def rank(shapes, case, device_id: int, arch: int, tick, echo, deadline=None, kee
     ranked = add([v for _, t in ranked[:keep] for v in unchecked_whole_steps_variants(t)])
     ranked = add([v for _, t in ranked[:keep] for v in sum_chains_variants(t)])
     unstaged = [t for _, t in ranked if register_ahead_variants(t)]
-    return add([v for t in unstaged[:AHEAD_KEEP] for v in register_ahead_variants(t)])
+    ahead = [v for t in unstaged[:AHEAD_KEEP] for v in register_ahead_variants(t)]
+    return add(list(dict.fromkeys(ahead + unrefined)))
 
 
 def _steps(shapes: list, backward: bool, keep: int, finalists: int, rounds: int) -> int:
@@ -218,7 +224,7 @@ def _steps(shapes: list, backward: bool, keep: int, finalists: int, rounds: int)
     register_sums = keep * (1 + len(REGISTER_SUM_SHARES)) if backward else 0  # register_sum_variants, at most
     unchecked = keep  # unchecked_whole_steps_variants, at most
     chains = 0 if backward else keep * len(SUM_CHAIN_COUNTS)  # sum_chains_variants, at most
-    ahead = AHEAD_KEEP if backward else 0  # register_ahead_variants, at most
+    ahead = AHEAD_KEEP + AHEAD_SHAPES if backward else 0  # register_ahead_variants, at most
     return (len(shapes) + keep * len(list(extra_combinations(backward))) + register_sums + unchecked + chains
             + ahead + (finalists + incumbent) * (rounds + 1))
 

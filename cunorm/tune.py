@@ -5,8 +5,8 @@ is `cunorm tune` (cunorm/cli/measuring.py).
 Each key of the table (cunorm.tables.Key: direction, LayerNorm or RMSNorm,
 residual, hidden size, input element bytes, general rows) is measured in
 three steps:
-1. rank: every launch shape (`search_space.candidates`) and what dispatch runs for the
-   call today, then the extras on the KEEP fastest shapes (`search_space.refinements`),
+1. rank: every launch shape (`search_space.candidates`), what dispatch runs for the
+   call today and for the other norm's call of the key (`sibling_pick`), then the extras on the KEEP fastest shapes (`search_space.refinements`),
    then the KEEP fastest backwards with shared-memory column sums with some of
    them in registers (`search_space.register_sum_variants`), then the other knobs'
    passes (`rank`: whole steps unchecked, sum chains, rows ahead in registers), each compiled

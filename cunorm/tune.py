@@ -53,7 +53,8 @@ KEEP = 2  # shapes whose extras are tried
 AHEAD_KEEP = 12
 # The first round's fastest shapes past the `keep` refined ones, also tried unstaged with their next row ahead:
 # their extras are never tried, so without this the knob meets only the `keep` fastest shapes' unstaged
-# extras (the H200's LayerNorm backward 12288 never met a cluster row with it; PERFORMANCE.md Next).
+# extras (the H200's LayerNorm backward 12288 never met a cluster row with it; version 85's tune with this pass
+# still kept its pick there, while cluster keys took new picks with the knob: PERFORMANCE.md version 85).
 AHEAD_SHAPES = 4
 SECOND_LOOK = 0.10  # shapes screened within this fraction of the fastest are timed twice
 FINALISTS = 3
@@ -93,18 +94,19 @@ def sibling_pick(job: Job, arch: int, gpu, device_id: int) -> Traits | None:
     N, dtype and residual), as traits of `job`'s call where they are legal there: a seed for the first round. The
     two backwards share their loop, so a row shape fast for one is worth timing for the other, and the first
     round's default extras may bury it (the H200's LayerNorm backward 32768 read 0.645 of copy with its pick,
-    0.809 with RMSNorm's shape, PERFORMANCE.md version 85)."""
+    0.809 with RMSNorm's shape, PERFORMANCE.md version 85). It is the pick before the run: a run tuning both
+    norms seeds each with the other's old pick. None where there is none to have."""
     from .dispatch import from_knobs
 
     sibling = Job.of(job.n, job.dtype, job.key.backward, not job.key.rms, job.key.residual)
-    picked, _ = _incumbent(sibling, arch, gpu, device_id)
-    if picked is None:
-        return None
     try:
+        picked, _ = _incumbent(sibling, arch, gpu, device_id)  # compiles it: a call no one asked to tune
+        if picked is None:
+            return None
         t = from_knobs(picked.knobs(), **job.call_fields())
         t.check_arch(arch)
-    except ValueError:  # a knob of the other norm alone (merged moments)
-        return None
+    except Exception:  # a knob of the other norm alone (merged moments: ValueError), or a driver error compiling
+        return None    # it: an optional seed must not stop the tune
     return t
 
 
@@ -395,7 +397,8 @@ def run(sizes=SIZES, ops=tuple(OPS), residuals=(False,), dtype_names=("bfloat16"
     for j in todo:  # what runs the call today competes too, up to the final rounds (where it compiles clean)
         incumbent = incumbents[j][0]
         seeds = [incumbent, with_pushed_exchange(incumbent)] if incumbent is not None else []  # and pushed
-        seeds += [siblings[j]] if siblings[j] is not None else []  # and the other norm's pick, as this call's
+        sibling = siblings[j]  # and the other norm's pick, as this call's (and pushed)
+        seeds += [sibling, with_pushed_exchange(sibling)] if sibling is not None else []
         for t in seeds:
             if shapes[j] and t not in shapes[j]:
                 shapes[j].append(t)

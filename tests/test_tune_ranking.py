@@ -41,14 +41,17 @@ def test_each_candidate_is_screened_once_or_twice_before_the_final_rounds(gpu):
     gpu.spills = _Pushed()
     rounds = 2
     picks = {op: incumbent(65536, op) for op in ("fwd", "rms-bwd")}  # before the run writes the user table
+    siblings = {op: tune.sibling_pick(search_space.Job.of(65536, "bfloat16", *search_space.OPS[op]), 90, GPU, 0)
+                for op in picks}
     assert run_tune("--sizes", "65536", "--ops", "fwd,rms-bwd", "--rounds", str(rounds)).exit_code == 0
     for key in saved().entries:
         op = op_of(key)
         counts = collections.Counter(k for o, n, d, k in gpu.timed if o == op)
-        pick_of_op = picks["rms-bwd" if key.backward else "fwd"]
+        pick_of_op, sibling = (d["rms-bwd" if key.backward else "fwd"] for d in (picks, siblings))
         first_pass = {frozen(t.replace(pushed_exchange=False).knobs())  # pushed ones spill: their barrier twins
                       for t in [*search_space.candidates(65536, "bfloat16", key.backward, 90, key.rms), pick_of_op,
-                                search_space.with_pushed_exchange(pick_of_op)]}
+                                search_space.with_pushed_exchange(pick_of_op), sibling,
+                                search_space.with_pushed_exchange(sibling)]}
         expected = screenings(set(counts), first_pass)
         finals = {k for k, c in counts.items() if c > 2}
         for k, c in counts.items():  # screened once (twice near the fastest); a finalist, once a round too
@@ -204,8 +207,10 @@ def test_backwards_try_their_unstaged_shapes_with_the_next_row_ahead(gpu):
     ahead = {frozen(k) for k in timed if k["register_ahead"]}
     unstaged = sorted((k for k in timed if not k["register_ahead"] and k["stages"] == 1),
                       key=ms)
+    sibling = tune.sibling_pick(job, 90, GPU, 0)
     first_round = list(dict.fromkeys([*search_space.candidates(4096, "bfloat16", True, 90), pick,
-                                      search_space.with_pushed_exchange(pick)]))
+                                      search_space.with_pushed_exchange(pick), sibling,
+                                      search_space.with_pushed_exchange(sibling)]))
     first_round.sort(key=lambda t: ms(t.knobs()))
     screened = first_round[tune.KEEP:tune.KEEP + tune.AHEAD_SHAPES]
     assert any(t.stages > 1 for t in screened)  # shapes whose unstaged selves were never timed

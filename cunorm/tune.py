@@ -6,7 +6,8 @@ Each key of the table (cunorm.tables.Key: direction, LayerNorm or RMSNorm,
 residual, hidden size, input element bytes, general rows) is measured in
 three steps:
 1. rank: every launch shape (`search_space.candidates`), what dispatch runs for the
-   call today and for the other norm's call of the key (`sibling_pick`), then the extras on the KEEP fastest shapes (`search_space.refinements`),
+   call today and for the other norm's call of the key (`sibling_pick`), then the
+   extras on the KEEP fastest shapes (`search_space.refinements`),
    then the KEEP fastest backwards with shared-memory column sums with some of
    them in registers (`search_space.register_sum_variants`), then the other knobs'
    passes (`rank`: whole steps unchecked, sum chains, rows ahead in registers), each compiled
@@ -395,11 +396,8 @@ def run(sizes=SIZES, ops=tuple(OPS), residuals=(False,), dtype_names=("bfloat16"
         incumbents = dict(zip(todo, pool.map(lambda j: _incumbent(j, arch, gpu, device_id), todo)))
         siblings = dict(zip(todo, pool.map(lambda j: sibling_pick(j, arch, gpu, device_id), todo)))
     for j in todo:  # what runs the call today competes too, up to the final rounds (where it compiles clean)
-        incumbent = incumbents[j][0]
-        seeds = [incumbent, with_pushed_exchange(incumbent)] if incumbent is not None else []  # and pushed
-        sibling = siblings[j]  # and the other norm's pick, as this call's (and pushed)
-        seeds += [sibling, with_pushed_exchange(sibling)] if sibling is not None else []
-        for t in seeds:
+        picks = [p for p in (incumbents[j][0], siblings[j]) if p is not None]  # and the other norm's, as this call's
+        for t in [s for p in picks for s in (p, with_pushed_exchange(p))]:  # each with pushed exchanges too
             if shapes[j] and t not in shapes[j]:
                 shapes[j].append(t)
     for job in [j for j in todo if not shapes[j]]:  # nothing to time: say why, not "failed the check"

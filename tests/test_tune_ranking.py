@@ -9,7 +9,11 @@ import pytest
 from cunorm import bench, compiler, dispatch, search_space, tables, tune
 from cunorm.compiler import CompileError
 from tune_stand_in import (COPY, GPU, NBYTES, fake_ms, frozen, gpu, incumbent, measured_with,  # noqa: F401 (gpu)
-                           op_of, run_tune, saved, screenings)
+                           op_of, run_tune, saved, screenings, seeds)
+
+# The knobs a table entry's shape and extras leave out, at their defaults (as the tuner times such an entry).
+_LATER_DEFAULTS = {"lanes_per_row": 32, "persistent": True, "merged_moments": False, "pushed_exchange": False,
+                   "register_sum_steps": 0, "unchecked_whole_steps": False, "sum_chains": 1, "register_ahead": False}
 
 
 # -- cluster rows' exchanges --------------------------------------------------------------------------------
@@ -41,17 +45,14 @@ def test_each_candidate_is_screened_once_or_twice_before_the_final_rounds(gpu):
     gpu.spills = _Pushed()
     rounds = 2
     picks = {op: incumbent(65536, op) for op in ("fwd", "rms-bwd")}  # before the run writes the user table
-    siblings = {op: tune.sibling_pick(search_space.Job.of(65536, "bfloat16", *search_space.OPS[op]), 90, GPU, 0)
-                for op in picks}
+    seeded = {op: seeds(65536, op) for op in picks}
     assert run_tune("--sizes", "65536", "--ops", "fwd,rms-bwd", "--rounds", str(rounds)).exit_code == 0
     for key in saved().entries:
         op = op_of(key)
         counts = collections.Counter(k for o, n, d, k in gpu.timed if o == op)
-        pick_of_op, sibling = (d["rms-bwd" if key.backward else "fwd"] for d in (picks, siblings))
         first_pass = {frozen(t.replace(pushed_exchange=False).knobs())  # pushed ones spill: their barrier twins
-                      for t in [*search_space.candidates(65536, "bfloat16", key.backward, 90, key.rms), pick_of_op,
-                                search_space.with_pushed_exchange(pick_of_op), sibling,
-                                search_space.with_pushed_exchange(sibling)]}
+                      for t in [*search_space.candidates(65536, "bfloat16", key.backward, 90, key.rms),
+                                *seeded["rms-bwd" if key.backward else "fwd"]]}
         expected = screenings(set(counts), first_pass)
         finals = {k for k, c in counts.items() if c > 2}
         for k, c in counts.items():  # screened once (twice near the fastest); a finalist, once a round too
@@ -200,17 +201,14 @@ def test_backwards_try_their_unstaged_shapes_with_the_next_row_ahead(gpu):
         return fake_ms(knobs) - 0.001 * knobs["register_ahead"]
 
     gpu.ms = ms
-    pick = incumbent(4096, "bwd")  # before the run writes the user table
+    seeded = seeds(4096, "bwd")  # before the run writes the user table
     assert run_tune("--sizes", "4096", "--ops", "fwd,bwd", "--fresh").exit_code == 0
     job = search_space.Job.of(4096, "bfloat16", True)
     timed = [dict(k) for k in gpu.timed_knobs(job.key, 4096, "bfloat16")]
     ahead = {frozen(k) for k in timed if k["register_ahead"]}
     unstaged = sorted((k for k in timed if not k["register_ahead"] and k["stages"] == 1),
                       key=ms)
-    sibling = tune.sibling_pick(job, 90, GPU, 0)
-    first_round = list(dict.fromkeys([*search_space.candidates(4096, "bfloat16", True, 90), pick,
-                                      search_space.with_pushed_exchange(pick), sibling,
-                                      search_space.with_pushed_exchange(sibling)]))
+    first_round = list(dict.fromkeys([*search_space.candidates(4096, "bfloat16", True, 90), *seeded]))
     first_round.sort(key=lambda t: ms(t.knobs()))
     screened = first_round[tune.KEEP:tune.KEEP + tune.AHEAD_SHAPES]
     assert any(t.stages > 1 for t in screened)  # shapes whose unstaged selves were never timed
@@ -235,9 +233,7 @@ def test_what_dispatch_runs_today_competes(gpu):
     assert run_tune("--sizes", "1024", "--ops", "fwd", "--fresh").exit_code == 0
     # A table entry written before a knob existed (lanes_per_row, persistent, merged_moments, pushed_exchange,
     # register_sum_steps, unchecked_whole_steps, sum_chains, register_ahead here) is timed with that knob's default.
-    defaults = {"lanes_per_row": 32, "persistent": True, "merged_moments": False, "pushed_exchange": False,
-                "register_sum_steps": 0, "unchecked_whole_steps": False, "sum_chains": 1, "register_ahead": False}
-    assert frozen({**incumbent, **defaults}) in gpu.timed_knobs(key, 1024, "bfloat16")
+    assert frozen({**incumbent, **_LATER_DEFAULTS}) in gpu.timed_knobs(key, 1024, "bfloat16")
 
 
 @pytest.mark.parametrize("op, sibling_op", [("fwd", "rms"), ("rms-bwd", "bwd")])
@@ -274,10 +270,6 @@ def test_a_knob_the_other_norm_alone_has_leaves_its_pick_out(gpu):
     assert tune.sibling_pick(job, 90, GPU, 0) is None
     assert run_tune("--sizes", "32768", "--ops", "rms", "--fresh").exit_code == 0
     assert job.key in saved().entries
-
-
-_LATER_DEFAULTS = {"lanes_per_row": 32, "persistent": True, "merged_moments": False, "pushed_exchange": False,
-                   "register_sum_steps": 0, "unchecked_whole_steps": False, "sum_chains": 1, "register_ahead": False}
 
 
 @pytest.mark.parametrize("times, ms, fraction, spread", [

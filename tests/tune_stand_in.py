@@ -117,6 +117,15 @@ def incumbent(n: int, op: str):
     return tune._incumbent(search_space.Job.of(n, "bfloat16", backward, rms), 90, GPU, 0)[0]
 
 
+def seeds(n: int, op: str) -> list:
+    """What a run adds to the stand-in's first round beside the candidates (take it before the run writes the
+    user table): dispatch's pick and the other norm's (`tune.sibling_pick`), each also with pushed exchanges."""
+    backward, rms = search_space.OPS[op]
+    sibling = tune.sibling_pick(search_space.Job.of(n, "bfloat16", backward, rms), 90, GPU, 0)
+    return [t for pick in (incumbent(n, op), sibling) if pick is not None
+            for t in (pick, search_space.with_pushed_exchange(pick))]
+
+
 def screenings(timed: set, shapes: set, ms=fake_ms) -> dict:
     """{knobs: how often screened} of the stand-in's timed knobs, `shapes` those of the first pass (the rest its
     extras): twice within SECOND_LOOK of the first pass's fastest, or for an extra of both passes' fastest."""

@@ -76,6 +76,7 @@ HEURISTIC, TUNED_LITERAL, CALLER = "heuristic", "tuned", "caller"
 HALF_CTAS, HEURISTIC_FALLBACK = "at half its CTAs an SM (the pick spills)", "heuristic (the pick spills)"
 HALF_LOADS = "at half its load width (the pick spills)"
 NOT_AHEAD = "without its rows ahead in registers (the pick spills)"
+NOT_STATS_AHEAD = "without its rows' statistics ahead in registers (the pick spills)"
 # A pick whose 16-CTA cluster this GPU holds none of runs the heuristic's pick within portable clusters.
 PORTABLE_FALLBACK = "heuristic within portable clusters (this GPU holds no 16-CTA cluster)"
 
@@ -142,8 +143,8 @@ def fallback(arch: int, **call) -> Traits:
 
 def fallbacks(spilled: Traits, origin: str, arch: int, **call) -> list:
     """[(traits, origin)] to try, in order, for a call whose pick `spilled` (from `origin`) compiles with
-    spills: a measured pick with `register_ahead` without it first (the same shape, a row's vectors fewer
-    registers a thread), then a measured persistent shape at half its CTAs an SM (twice the registers a
+    spills: a measured pick with `stats_ahead` without it first (2 registers fewer), one with `register_ahead`
+    without it (the same shape, a row's vectors fewer registers a thread), then a measured persistent shape at half its CTAs an SM (twice the registers a
     thread: general rows borrow knobs measured on aligned rows, whose kernel needs fewer; 36 of the 47 measured picks that spill on
     general rows compile clean so, docs/runs/2026-11-26-general-rows-spilling-picks.txt), then at half its
     load width (the same elements a thread in twice the load steps: the two H200 entries that spill with fp32
@@ -153,7 +154,9 @@ def fallbacks(spilled: Traits, origin: str, arch: int, **call) -> list:
     plain = fallback(arch, **call)
     out = []
     if spilled != plain and spilled.persistent:
-        changes = [(dict(register_ahead=False), NOT_AHEAD)] if spilled.register_ahead else []
+        changes = [(dict(stats_ahead=False), NOT_STATS_AHEAD)] if spilled.stats_ahead else []
+        if spilled.register_ahead:
+            changes.append((dict(register_ahead=False, stats_ahead=False), NOT_AHEAD))
         if spilled.min_ctas_per_sm > 1:
             changes.append((dict(min_ctas_per_sm=spilled.min_ctas_per_sm // 2), HALF_CTAS))
         if spilled.bytes_per_ldg > 4:

@@ -18,13 +18,13 @@ from . import dtypes, traits_rules
 # The independent knobs: launch shape and research levers (what tuning varies and `traits=` may force).
 KNOBS = ("warps_m", "warps_n", "ctas_per_row", "bytes_per_ldg", "stages", "cache_weights", "min_ctas_per_sm",
          "smem_accumulators", "recompute", "lanes_per_row", "persistent", "merged_moments", "pushed_exchange",
-         "register_sum_steps", "unchecked_whole_steps", "sum_chains", "register_ahead")
+         "register_sum_steps", "unchecked_whole_steps", "sum_chains", "register_ahead", "stats_ahead")
 # What a knob left out takes when others are given (`traits=` mappings, the tuner).
 KNOB_DEFAULTS = dict(warps_m=1, warps_n=1, ctas_per_row=1, bytes_per_ldg=16, stages=2, cache_weights=True,
                      min_ctas_per_sm=1, smem_accumulators=False, recompute=True,
                      lanes_per_row=traits_rules.THREADS_PER_WARP, persistent=True, merged_moments=False,
                      pushed_exchange=False, register_sum_steps=0, unchecked_whole_steps=False, sum_chains=1,
-                     register_ahead=False)
+                     register_ahead=False, stats_ahead=False)
 LATE_DGAMMA_MAX_ELTS = 16  # see Traits.late_dgamma
 REFINE_MIN_OFFSET = 4.0  # REFINE_MEAN refines rows whose mean lies this many std or more from zero
 # The backward's finalize kernel: warps per CTA (each sums a slice of the partial
@@ -101,6 +101,8 @@ class Traits:
       the current one, so the loads overlap the current row's reduction and stores, where staging in shared
       memory does not fit beside the column sums: a row's vectors more registers a thread. Same arithmetic:
       the same bits.
+    stats_ahead: (with register_ahead) the next row's mean and rstd are loaded ahead with its vectors, so the
+      row's first use of them does not wait on their loads: 2 more registers a thread. The same bits.
     has_weight / has_bias: whether gamma / beta are present.
     rms: RMSNorm (no mean) rather than LayerNorm; with has_bias, y = xhat * w + b.
     has_residual: forward: x + residual is normalized and stored; backward:
@@ -171,6 +173,7 @@ class Traits:
     unchecked_whole_steps: bool | None = None
     sum_chains: int | None = None
     register_ahead: bool | None = None
+    stats_ahead: bool | None = None
     has_weight: bool = True
     has_bias: bool = True
     rms: bool = False
@@ -519,7 +522,7 @@ class Traits:
                 + (f" REGISTER_SUM_STEPS={self.register_sum_steps}" if self.register_sum_steps else "")
                 + (" UNCHECKED_WHOLE_STEPS=1" if self.unchecked_whole_steps else "")
                 + (f" SUM_CHAINS={self.sum_chains}" if self.sum_chains != 1 else "")
-                + (" REGISTER_AHEAD=1" if self.register_ahead else ""))
+                + (" REGISTER_AHEAD=1" if self.register_ahead else "") + (" STATS_AHEAD=1" if self.stats_ahead else ""))
 
     def knobs(self) -> dict:
         return {k: getattr(self, k) for k in KNOBS}
@@ -569,6 +572,7 @@ class Traits:
             "UNCHECKED_WHOLE_STEPS": "true" if self.unchecked_whole_steps else "false",
             "SUM_CHAINS": self.sum_chains,
             "REGISTER_AHEAD": "true" if self.register_ahead else "false",
+            "STATS_AHEAD": "true" if self.stats_ahead else "false",
             "FROM_OUTPUT": int(self.from_output),
             "QUANT": traits_rules.QUANT_MODES.index(self.quant),
             "AMAX": int(self.amax),

@@ -116,6 +116,8 @@ def check(t) -> None:
          "(ctas_per_row > 1)")
     rule(type(t.register_ahead) is bool and (not t.register_ahead or (t.backward and t.stages == 1)),
          "register_ahead must be True or False, and True only for a backward with stages=1")  # (all persistent)
+    rule(type(t.stats_ahead) is bool and (not t.stats_ahead or t.register_ahead),
+         "stats_ahead must be True or False, and True only with register_ahead")
 
 
 def check_arch(t, arch: int) -> None:

@@ -43,7 +43,8 @@ from . import tables
 from .check import check_knobs
 from .search_space import (OPS, REGISTER_SUM_SHARES, SIZES, SUM_CHAIN_COUNTS, Job, candidates, extra_combinations,
                            plan, refinements, register_ahead_variants, register_sum_variants, screened_ahead_variants,
-                           sum_chains_variants, unchecked_whole_steps_variants, with_pushed_exchange)
+                           stats_ahead_variants, sum_chains_variants, unchecked_whole_steps_variants,
+                           with_pushed_exchange)
 from .traits import Traits
 
 REPEAT = 6  # timed batches per measurement (bench.median_ms)
@@ -200,7 +201,8 @@ def rank(shapes, case, device_id: int, arch: int, tick, echo, deadline=None, kee
     row sums in more chains (`sum_chains_variants`), then a backward's AHEAD_KEEP fastest unstaged shapes, and
     the AHEAD_SHAPES fastest shapes of the first round past the `keep` unstaged, with their next row loaded
     ahead into registers (`register_ahead_variants`: the knob reorders unstaged shapes, so more of them than
-    `keep`); each traits timed once, or twice within SECOND_LOOK of the fastest so far (`_second_look`)."""
+    `keep`), then the `keep` fastest of those with the row's statistics ahead too (`stats_ahead_variants`);
+    each traits timed once, or twice within SECOND_LOOK of the fastest so far (`_second_look`)."""
     ranked = _time_all(shapes, case, device_id, tick, echo, deadline)
     unrefined = [v for _, t in ranked[keep:keep + AHEAD_SHAPES] for v in screened_ahead_variants(t)]
 
@@ -216,7 +218,9 @@ def rank(shapes, case, device_id: int, arch: int, tick, echo, deadline=None, kee
     ranked = add([v for _, t in ranked[:keep] for v in sum_chains_variants(t)])
     unstaged = [t for _, t in ranked if register_ahead_variants(t)]
     ahead = [v for t in unstaged[:AHEAD_KEEP] for v in register_ahead_variants(t)]
-    return add(list(dict.fromkeys(ahead + unrefined)))
+    ranked = add(list(dict.fromkeys(ahead + unrefined)))
+    held = [t for _, t in ranked if stats_ahead_variants(t)]
+    return add([v for t in held[:keep] for v in stats_ahead_variants(t)])
 
 
 def _steps(shapes: list, backward: bool, keep: int, finalists: int, rounds: int) -> int:
@@ -227,7 +231,7 @@ def _steps(shapes: list, backward: bool, keep: int, finalists: int, rounds: int)
     register_sums = keep * (1 + len(REGISTER_SUM_SHARES)) if backward else 0  # register_sum_variants, at most
     unchecked = keep  # unchecked_whole_steps_variants, at most
     chains = 0 if backward else keep * len(SUM_CHAIN_COUNTS)  # sum_chains_variants, at most
-    ahead = AHEAD_KEEP + AHEAD_SHAPES if backward else 0  # register_ahead_variants, at most
+    ahead = AHEAD_KEEP + AHEAD_SHAPES + keep if backward else 0  # register_ahead_variants, stats_ahead_variants
     return (len(shapes) + keep * len(list(extra_combinations(backward))) + register_sums + unchecked + chains
             + ahead + (finalists + incumbent) * (rounds + 1))
 

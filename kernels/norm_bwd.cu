@@ -198,6 +198,8 @@ norm_bwd(const output_t* dy, const input_t* x, const residual_t* dresidual,
 #endif
   RowPipe<output_t, PARALLEL> dy1s(next, dy1, lddy1, rows, at);
   next += dy1s.BYTES;
+  RowStat<compute_t> rstds(rstd, rows);
+  RowStat<compute_t, !RMS && !FROM_OUTPUT> means(mean, rows);  // (RMSNorm and from y: xhat without a mean)
   const RowWeights<weight1_t, PARALLEL> w1(gamma1, gamma1_stride, next, at, 1, 0);
   // xhat of element e of LDG step `it` (v: x, or y FROM_OUTPUT; wv: gamma's vector there).
   auto xhat_of = [&](const InVec& v, const auto& wv, int it, int e, long long row, compute_t mu, compute_t rs) {
@@ -236,8 +238,8 @@ norm_bwd(const output_t* dy, const input_t* x, const residual_t* dresidual,
       xs.read(stage, row, xv, at);
       dys.read(stage, row, dyv, at);
       if constexpr (PARALLEL) dy1s.read(stage, row, dy1v, at);
-      const compute_t rs = row_ok ? rstd[row] : compute_t(0);
-      const compute_t mu = (RMS || FROM_OUTPUT || !row_ok) ? compute_t(0) : mean[row];  // exact when |mu| >> std
+      const compute_t rs = rstds.read(row, at);
+      const compute_t mu = means.read(row, at);  // exact when |mu| >> std
       mask_row<REFINED_LOOP>(xv, at, mu);  // REFINE_MEAN: lanes outside the row add nothing to sum(x - mu)
       mask_row(dyv, at);
       if constexpr (PARALLEL) mask_row(dy1v, at);
@@ -361,7 +363,7 @@ norm_bwd(const output_t* dy, const input_t* x, const residual_t* dresidual,
           }
         });
       }
-    }, xs, dys, drs, dy1s);
+    }, xs, dys, drs, dy1s, rstds, means);
   };
   if constexpr (GATED) {
     if (walks_offset_rows(mean, rstd, rows, at)) walk_rows(Flag<true>());

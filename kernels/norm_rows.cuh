@@ -287,6 +287,34 @@ struct RowPipe {
   }
 };
 
+// A statistic of the rows a thread walks (the backward's mean or rstd), one value a row; 0 for rows past the
+// end (and when not ACTIVE: RMSNorm's mean). A pipe of for_each_row like RowPipe, with its one-read-a-row
+// rule: STATS_AHEAD holds the next row's value, loading while the current row is reduced and stored, so the
+// row's first use of it does not wait on the load.
+template <typename T, bool ACTIVE = true>
+struct RowStat {
+  static constexpr bool AHEAD = STATS_AHEAD && ACTIVE;
+  const T* values;
+  long long rows;
+  T held;
+
+  __device__ __forceinline__ RowStat(const T* values_, long long rows_) : values(values_), rows(rows_), held(0) {}
+  __device__ __forceinline__ T load(long long row) const { return ACTIVE && row < rows ? values[row] : T(0); }
+  __device__ __forceinline__ void fetch(int, long long, const Coords&) {}  // (nothing staged)
+  __device__ __forceinline__ void prime(long long row, const Coords&) {
+    if constexpr (AHEAD) held = load(row);
+  }
+  __device__ __forceinline__ T read(long long row, const Coords& at) {
+    if constexpr (AHEAD) {
+      const T v = held;
+      held = load(row + at.row_stride());
+      return v;
+    } else {
+      return load(row);
+    }
+  }
+};
+
 // Walks this CTA's rows (a persistent grid: row groups group, group + groups,
 // ...; without PERSISTENT the grid covers the rows, one group a CTA, up to the
 // grid's size limit), keeping STAGES - 1 rows of every pipe in flight, and calls

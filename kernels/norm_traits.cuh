@@ -53,6 +53,9 @@ constexpr int SUM_CHAINS = ${SUM_CHAINS};
 // (RowPipe), so the loads overlap the current row's reduction and stores: a row's vectors more registers (a tuned
 // knob of backwards; the same arithmetic, the same bits).
 constexpr bool REGISTER_AHEAD = ${REGISTER_AHEAD};
+// With REGISTER_AHEAD, the next row's statistics (the backward's mean and rstd: RowStat) are held ahead too, so the
+// row's first use of them does not wait on their loads: 2 registers (a tuned knob; the same bits).
+constexpr bool STATS_AHEAD = ${STATS_AHEAD};
 // Every row starts on a vector boundary and is whole vectors long. Otherwise
 // (the general kernel) a row is read in the aligned frame around it: vector v
 // of a row covers the elements [v * E - shift, (v + 1) * E - shift), where
@@ -110,6 +113,7 @@ static_assert(CTAS_PER_ROW == 1 || WARPS_M == 1, "several CTAs per row need WARP
 static_assert(STAGES >= 1 && STAGES <= 8, "STAGES must be 1..8");
 static_assert(PERSISTENT || STAGES == 1, "a grid of a CTA per row group reads its rows straight into registers");
 static_assert(!REGISTER_AHEAD || (STAGES == 1 && PERSISTENT), "rows ahead in registers: unstaged persistent kernels");
+static_assert(!STATS_AHEAD || REGISTER_AHEAD, "statistics ahead: with rows ahead in registers");
 static_assert(MIN_CTAS_PER_SM >= 1 && MIN_CTAS_PER_SM * THREADS_PER_CTA <= 2048,
               "MIN_CTAS_PER_SM must be >= 1 and fit 2048 threads per SM");
 static_assert(LANES_PER_ROW == 4 || LANES_PER_ROW == 8 || LANES_PER_ROW == 16 || LANES_PER_ROW == 32,

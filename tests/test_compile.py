@@ -231,12 +231,9 @@ def test_sum_chains_compile_clean_and_change_the_code(arch):
         fwd.replace(backward=True, sum_chains=2)
 
 
-@pytest.mark.parametrize("arch", [80, 90])
-def test_register_ahead_compiles_clean_and_changes_the_code(arch):
-    """An unstaged backward with its next row loaded ahead into registers (REGISTER_AHEAD, checked against the
-    traits' rule): LayerNorm and RMSNorm, aligned, folded and general rows, fp32 with dresidual, a second
-    weight; a cluster row with pushed exchanges on sm_90; spill-free at these shapes, and machine code of its
-    own (the knob acts)."""
+def _unstaged_backwards(arch: int) -> list:
+    """Unstaged backwards of the rows-ahead knobs' compile tests: LayerNorm and RMSNorm, aligned, folded and
+    general rows, fp32 with dresidual, a second weight; a cluster row with pushed exchanges on sm_90."""
     bwd = Traits(hidden_size=2048, input_dtype="bfloat16", backward=True, warps_n=4, bytes_per_ldg=16, stages=1)
     variants = [bwd, bwd.replace(rms=True, has_bias=False, hidden_size=4096, warps_m=2, bytes_per_ldg=8),
                 bwd.replace(hidden_size=4097, aligned_rows=False, bytes_per_ldg=8, smem_accumulators=True),
@@ -246,16 +243,28 @@ def test_register_ahead_compiles_clean_and_changes_the_code(arch):
     if arch >= 90:
         variants.append(bwd.replace(hidden_size=10240, ctas_per_row=4, bytes_per_ldg=8, smem_accumulators=True,
                                     register_sum_steps=1, pushed_exchange=True))
+    return variants
+
+
+@pytest.mark.parametrize("arch", [80, 90])
+@pytest.mark.parametrize("knob, before, illegal", [
+    ("register_ahead", {}, dict(stages=2, register_ahead=True)),  # a staged one
+    ("stats_ahead", {"register_ahead": True}, dict(stats_ahead=True)),  # without rows ahead
+])
+def test_rows_ahead_knobs_compile_clean_and_change_the_code(arch, knob, before, illegal):
+    """An unstaged backward with its next row loaded ahead into registers (REGISTER_AHEAD), and with the rows'
+    statistics ahead too (STATS_AHEAD; each checked against the traits' rule), at `_unstaged_backwards`'
+    shapes: spill-free, and machine code of its own (the knob acts)."""
     from conftest import load_script
 
     digest = load_script("codegen_digest")
-    for t in variants:
-        ahead = t.replace(register_ahead=True)
-        plain, result = compile_only(t, arch), compile_only(ahead, arch)
-        assert result.clean, ahead.short()
+    for t in (v.replace(**before) for v in _unstaged_backwards(arch)):
+        knobbed = t.replace(**{knob: True})
+        plain, result = compile_only(t, arch), compile_only(knobbed, arch)
+        assert result.clean, knobbed.short()
         assert digest.text_sections(plain.cubin) != digest.text_sections(result.cubin), t.short()
-    with pytest.raises(ValueError, match="register_ahead"):
-        bwd.replace(stages=2, register_ahead=True)
+    with pytest.raises(ValueError, match=knob):
+        _unstaged_backwards(arch)[0].replace(**illegal)
 
 
 def test_general_and_flag_sample_compiles():

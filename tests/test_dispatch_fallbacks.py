@@ -190,6 +190,22 @@ def test_a_spilling_pick_with_rows_ahead_tries_itself_without_them_first():
     assert dispatch.fallbacks(plain, "a table", 90, **call)[0][1] == f"a table {dispatch.HALF_CTAS}"
 
 
+def test_a_spilling_pick_with_statistics_ahead_tries_itself_without_them_first():
+    """A measured pick with stats_ahead that spills runs without its statistics ahead first (2 registers
+    fewer), then without its rows ahead too (both knobs off: stats_ahead needs register_ahead), then as any
+    pick."""
+    case = check.Case("layer_norm_backward", 4096, 3, "bfloat16", "float32")
+    call = check.case_call(case)
+    pick = dispatch.from_knobs(dict(warps_n=8, bytes_per_ldg=8, stages=1, smem_accumulators=True,
+                                    min_ctas_per_sm=2, register_ahead=True, stats_ahead=True), **call)
+    options = dispatch.fallbacks(pick, "a table", 90, **call)
+    assert options[:2] == [(pick.replace(stats_ahead=False), f"a table {dispatch.NOT_STATS_AHEAD}"),
+                           (pick.replace(register_ahead=False, stats_ahead=False), f"a table {dispatch.NOT_AHEAD}")]
+    assert [why for _, why in options[2:]] == [f"a table {dispatch.HALF_CTAS}", f"a table {dispatch.HALF_LOADS}",
+                                               dispatch.HEURISTIC_FALLBACK]
+    assert dispatch.without_spills(pick, "a table", {pick}.__contains__, 90, **call) == options[0]
+
+
 def test_kernels_whose_cluster_is_not_resident_are_loaded_once(monkeypatch):
     """compiler.kernels_for remembers ClusterNotResident: a plan asks twice (the family's spill test, then
     dispatch's) and every later plan asks again; the kernels are compiled and queried once."""

@@ -1,6 +1,6 @@
 """Tier C: the register_ahead knob (an unstaged backward loads its next row into registers when it takes the
-current one). Only when the loads are issued changes, not what is added in which order: every output is the
-same bits as without the knob on the same grid (a knob that changes the CTAs an SM changes the grid's row
+current one) and stats_ahead (the next row's mean and rstd too). Only when the loads are issued changes, not what
+is added in which order: every output is the same bits as without the knobs on the same grid (a knob that changes the CTAs an SM changes the grid's row
 groups, and so the order the partial rows are summed in), and dx the same bits on any grid."""
 import numpy as np
 import pytest
@@ -41,6 +41,10 @@ CASES = [
 ]
 
 
+# Knob off, rows ahead, rows and their statistics ahead.
+AHEAD_SETTINGS = [dict(register_ahead=False), dict(register_ahead=True), dict(register_ahead=True, stats_ahead=True)]
+
+
 @pytest.mark.parametrize("op, n, dtype, weight, knobs, fields", CASES, ids=[f"{c[0]}-{c[1]}-{c[2]}" for c in CASES])
 def test_rows_ahead_pass_the_check_with_the_plain_kernels_errors(op, n, dtype, weight, knobs, fields, launches):
     """Every output (poisoned first) against float64 with the knob on and off, at 37 rows and 301 rows (at 301
@@ -54,19 +58,19 @@ def test_rows_ahead_pass_the_check_with_the_plain_kernels_errors(op, n, dtype, w
     shape = {"stages": 1, **knobs}
     for rows in (37, 301):
         errors, grids = [], []
-        for ahead in (False, True):
-            case = check.Case(op, n, rows, dtype, weight, knobs=tuple(sorted({**shape, "register_ahead": ahead}
-                                                                             .items())), **fields)
+        for ahead in AHEAD_SETTINGS:
+            case = check.Case(op, n, rows, dtype, weight, knobs=tuple(sorted({**shape, **ahead}.items())), **fields)
             launch_grids(launches)
             results = check.run_case(case, np.random.default_rng(seed))
             grids.append(launch_grids(launches))
             assert_results_ok(results)
             assert len(results) >= 2, case
             errors.append([(r.output, r.error) for r in results])
-        if knobs.get("ctas_per_row", 1) == 1 and rows * n <= FUSE_ROW_ELEMENTS:
-            assert grids[0] == grids[1], grids
-        if grids[0] == grids[1]:
-            assert errors[0] == errors[1], f"seed {seed}: {errors}"
+        for grid, error in zip(grids[1:], errors[1:]):
+            if knobs.get("ctas_per_row", 1) == 1 and rows * n <= FUSE_ROW_ELEMENTS:
+                assert grids[0] == grid, grids
+            if grids[0] == grid:
+                assert errors[0] == error, f"seed {seed}: {errors}"
 
 
 BITWISE = [(10240, "bfloat16", dict(warps_n=4, ctas_per_row=4, bytes_per_ldg=8, smem_accumulators=True,
@@ -80,20 +84,22 @@ BITWISE = [(10240, "bfloat16", dict(warps_n=4, ctas_per_row=4, bytes_per_ldg=8, 
 @pytest.mark.parametrize("n, dtype, knobs", BITWISE, ids=[f"{c[0]}-{c[1]}-{len(c[2])}" for c in BITWISE])
 def test_the_outputs_are_the_same_bits(n, dtype, knobs, rms, rng, launches):
     """dx, dweight (and LayerNorm's dbias) of one call of 2000 rows (several a CTA; one launch at 2048, two
-    elsewhere) with the knob on and off: dx the same bits; the column sums the same bits where the launches' grids are the same
-    (the knob's registers can move the CTAs an SM, and so the row groups). Then a row's dx is its own: the
-    last 37 rows alone (views of the same arrays: each row at its own offset) give the bits they have in the
-    batch, though their CTAs walk them, and load ahead, with another stride."""
+    elsewhere) with the knobs off, rows ahead, and rows and statistics ahead: dx the same bits; the column sums
+    the same bits where the launches' grids are the same (the knobs' registers can move the CTAs an SM, and so
+    the row groups). Then a row's dx is its own: the last 37 rows alone (views of the same arrays: each row at
+    its own offset) give the bits they have in the batch, though their CTAs walk them, and load ahead, with
+    another stride."""
     case = check.Case("rms_norm_backward" if rms else "layer_norm_backward", n, 2000, dtype, "bfloat16",
                       has_bias=not rms)
     run = backward_runner(case, rng)
-    settings = [dict(knobs, stages=1), dict(knobs, stages=1, register_ahead=True)]
+    settings = [dict(knobs, stages=1, **ahead) for ahead in AHEAD_SETTINGS]
     outs, grids = bits_and_grids(run, settings, launches)
-    (plain, ahead), (plain_grid, ahead_grid) = outs, grids
-    assert len(plain) == len(ahead) == (2 if rms else 3)
-    assert (plain[0] == ahead[0]).all(), "dx"
-    if plain_grid == ahead_grid:
-        assert all((a == b).all() for a, b in zip(plain[1:], ahead[1:])), "column sums"
-    with check.poisoned_allocations():
-        tail = run(settings[1], slice(-37, None))
-    assert (bits(tail[0]) == ahead[0][-37:]).all(), "a row's dx alone and in the batch"
+    assert all(len(out) == (2 if rms else 3) for out in outs)
+    plain, plain_grid = outs[0], grids[0]
+    for setting, ahead, grid in zip(settings[1:], outs[1:], grids[1:]):
+        assert (plain[0] == ahead[0]).all(), ("dx", setting)
+        if plain_grid == grid:
+            assert all((a == b).all() for a, b in zip(plain[1:], ahead[1:])), ("column sums", setting)
+        with check.poisoned_allocations():
+            tail = run(setting, slice(-37, None))
+        assert (bits(tail[0]) == ahead[0][-37:]).all(), ("a row's dx alone and in the batch", setting)

@@ -209,3 +209,18 @@ def test_rows_ahead_in_registers_are_offered_to_unstaged_persistent_backwards():
     assert search_space.register_ahead_variants(bwd.replace(stages=2)) == []
     fwd = Traits(hidden_size=4096, input_dtype="bfloat16", warps_n=4, bytes_per_ldg=16, stages=1)
     assert search_space.register_ahead_variants(fwd) == []
+
+
+def test_statistics_ahead_are_offered_to_backwards_with_rows_ahead():
+    """A backward with rows ahead in registers again with its rows' mean and rstd ahead too (`stats_ahead`),
+    the same traits but the knob; not to one without rows ahead or a variant already. A variant's extras are
+    its plain self's."""
+    from cunorm.traits import Traits
+
+    bwd = Traits(hidden_size=10240, input_dtype="bfloat16", backward=True, warps_n=4, ctas_per_row=4,
+                 bytes_per_ldg=8, stages=1, smem_accumulators=True, pushed_exchange=True, register_ahead=True)
+    (held,) = search_space.stats_ahead_variants(bwd)
+    assert held == bwd.replace(stats_ahead=True)
+    assert search_space.stats_ahead_variants(held) == []
+    assert search_space.refinements(held) == search_space.refinements(bwd)
+    assert search_space.stats_ahead_variants(bwd.replace(register_ahead=False)) == []

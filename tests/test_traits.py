@@ -49,6 +49,8 @@ def test_derived_quantities_match_the_kernel_formulas():
     (dict(register_ahead="yes", backward=True, stages=1), "register_ahead must be True or False"),
     (dict(register_ahead=True, stages=1), "only for a backward with stages=1"),
     (dict(register_ahead=True, backward=True, stages=2), "only for a backward with stages=1"),
+    (dict(stats_ahead="yes", register_ahead=True, backward=True, stages=1), "stats_ahead must be True or False"),
+    (dict(stats_ahead=True, backward=True, stages=1), "only with register_ahead"),
     (dict(hidden_size=0), "positive"),
 ])
 def test_illegal_traits_name_the_rule(changes, rule):

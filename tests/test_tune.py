@@ -253,7 +253,7 @@ def test_a_new_entry_reports_what_it_replaced_from_the_same_rounds(gpu):
     incumbent = dict(warps_m=4, warps_n=1, ctas_per_row=1, bytes_per_ldg=8, stages=4, cache_weights=False,
                      min_ctas_per_sm=1, smem_accumulators=False, recompute=True, lanes_per_row=32, persistent=True,
                      merged_moments=False, pushed_exchange=False, register_sum_steps=0, unchecked_whole_steps=False,
-                     sum_chains=1, register_ahead=False)
+                     sum_chains=1, register_ahead=False, stats_ahead=False)
     table = tables.new_table(GPU)
     table.put(key, incumbent, ms=1.0, fraction_of_copy=0.5, spread=[0.5, 0.5], dtype="bfloat16", measured_n=1024)
     tables.save(table)
@@ -277,7 +277,7 @@ def test_a_pick_that_spills_competes_as_what_replaces_it(gpu):
     pick = dict(warps_m=4, warps_n=1, ctas_per_row=1, bytes_per_ldg=8, stages=1, cache_weights=False,
                 min_ctas_per_sm=2, smem_accumulators=True, recompute=True, lanes_per_row=32, persistent=True,
                 merged_moments=False, pushed_exchange=False, register_sum_steps=0, unchecked_whole_steps=False,
-                sum_chains=1, register_ahead=False)
+                sum_chains=1, register_ahead=False, stats_ahead=False)
     table = tables.new_table(GPU)
     table.put(job.key, pick, ms=1.0, fraction_of_copy=0.5, spread=[0.5, 0.5], dtype="bfloat16", measured_n=1024)
     tables.save(table)

@@ -13,7 +13,8 @@ from tune_stand_in import (COPY, GPU, NBYTES, fake_ms, frozen, gpu, incumbent, m
 
 # The knobs a table entry's shape and extras leave out, at their defaults (as the tuner times such an entry).
 _LATER_DEFAULTS = {"lanes_per_row": 32, "persistent": True, "merged_moments": False, "pushed_exchange": False,
-                   "register_sum_steps": 0, "unchecked_whole_steps": False, "sum_chains": 1, "register_ahead": False}
+                   "register_sum_steps": 0, "unchecked_whole_steps": False, "sum_chains": 1, "register_ahead": False,
+                   "stats_ahead": False}
 
 
 # -- cluster rows' exchanges --------------------------------------------------------------------------------
@@ -205,7 +206,7 @@ def test_backwards_try_their_unstaged_shapes_with_the_next_row_ahead(gpu):
     assert run_tune("--sizes", "4096", "--ops", "fwd,bwd", "--fresh").exit_code == 0
     job = search_space.Job.of(4096, "bfloat16", True)
     timed = [dict(k) for k in gpu.timed_knobs(job.key, 4096, "bfloat16")]
-    ahead = {frozen(k) for k in timed if k["register_ahead"]}
+    ahead = {frozen(k) for k in timed if k["register_ahead"] and not k["stats_ahead"]}
     unstaged = sorted((k for k in timed if not k["register_ahead"] and k["stages"] == 1),
                       key=ms)
     first_round = list(dict.fromkeys([*search_space.candidates(4096, "bfloat16", True, 90), *seeded]))
@@ -219,6 +220,23 @@ def test_backwards_try_their_unstaged_shapes_with_the_next_row_ahead(gpu):
     assert saved().knobs(job.key) == min((best_plain, best_ahead), key=ms)
     forward = search_space.Job.of(4096, "bfloat16")
     assert not any(dict(k)["register_ahead"] for k in gpu.timed_knobs(forward.key, 4096, "bfloat16"))
+
+
+def test_the_fastest_with_rows_ahead_try_their_statistics_ahead(gpu):
+    """After the rows-ahead pass, the KEEP fastest traits with rows ahead are timed again with the rows'
+    statistics ahead too (`stats_ahead`), and one of those can win; nothing else is timed with it."""
+    def ms(knobs):
+        return fake_ms(knobs) - 0.001 * knobs["register_ahead"] - 0.01 * knobs["stats_ahead"]
+
+    gpu.ms = ms
+    assert run_tune("--sizes", "4096", "--ops", "bwd", "--fresh").exit_code == 0
+    job = search_space.Job.of(4096, "bfloat16", True)
+    timed = [dict(k) for k in gpu.timed_knobs(job.key, 4096, "bfloat16")]
+    held = {frozen(k) for k in timed if k["stats_ahead"]}
+    ahead = sorted((k for k in timed if k["register_ahead"] and not k["stats_ahead"]), key=ms)
+    assert held == {frozen({**k, "stats_ahead": True}) for k in ahead[:tune.KEEP]}
+    assert saved().knobs(job.key) == min(timed, key=ms)
+    assert saved().knobs(job.key)["stats_ahead"]
 
 
 def test_what_dispatch_runs_today_competes(gpu):

@@ -70,9 +70,9 @@ def from_knobs(knobs: dict, **call) -> Traits:
 
 # Origins of a choice besides the tables' (Table.origin); CALLER: knobs or traits the caller gave.
 HEURISTIC, TUNED_LITERAL, CALLER = "heuristic", "tuned", "caller"
-# A spilling pick's replacements (`fallbacks`): its own shape without its rows ahead in registers, at half the CTAs
-# an SM or at half its load width (origin: the pick's origin and NOT_AHEAD, HALF_CTAS or HALF_LOADS), or the
-# heuristic's.
+# A spilling pick's replacements (`fallbacks`): its own shape without its statistics ahead, without its rows ahead
+# in registers, at half the CTAs an SM or at half its load width (origin: the pick's origin and NOT_STATS_AHEAD,
+# NOT_AHEAD, HALF_CTAS or HALF_LOADS), or the heuristic's.
 HALF_CTAS, HEURISTIC_FALLBACK = "at half its CTAs an SM (the pick spills)", "heuristic (the pick spills)"
 HALF_LOADS = "at half its load width (the pick spills)"
 NOT_AHEAD = "without its rows ahead in registers (the pick spills)"
@@ -143,14 +143,15 @@ def fallback(arch: int, **call) -> Traits:
 
 def fallbacks(spilled: Traits, origin: str, arch: int, **call) -> list:
     """[(traits, origin)] to try, in order, for a call whose pick `spilled` (from `origin`) compiles with
-    spills: a measured pick with `stats_ahead` without it first (2 registers fewer), one with `register_ahead`
-    without it (the same shape, a row's vectors fewer registers a thread), then a measured persistent shape at half its CTAs an SM (twice the registers a
-    thread: general rows borrow knobs measured on aligned rows, whose kernel needs fewer; 36 of the 47 measured picks that spill on
-    general rows compile clean so, docs/runs/2026-11-26-general-rows-spilling-picks.txt), then at half its
-    load width (the same elements a thread in twice the load steps: the two H200 entries that spill with fp32
-    weights, LayerNorm forward 262144 and backward 196608 with bf16 x, compile clean so and read 0.600 and
-    0.473 of copy through dispatch, where the heuristic's pick read 0.449 and 0.379,
-    docs/runs/2026-11-29-h200-spill-fallbacks.txt), then `fallback`'s pick."""
+    spills: a measured pick with `stats_ahead` without it first (two values fewer a thread), one with
+    `register_ahead` without it (the same shape, a row's vectors fewer registers a thread), then a measured
+    persistent shape at half its CTAs an SM (twice the registers a thread: general rows borrow knobs measured
+    on aligned rows, whose kernel needs fewer; 36 of the 47 measured picks that spill on general rows compile
+    clean so, docs/runs/2026-11-26-general-rows-spilling-picks.txt), then at half its load width (the same
+    elements a thread in twice the load steps: the two H200 entries that spill with fp32 weights, LayerNorm
+    forward 262144 and backward 196608 with bf16 x, compile clean so and read 0.600 and 0.473 of copy through
+    dispatch, where the heuristic's pick read 0.449 and 0.379, docs/runs/2026-11-29-h200-spill-fallbacks.txt),
+    then `fallback`'s pick."""
     plain = fallback(arch, **call)
     out = []
     if spilled != plain and spilled.persistent:

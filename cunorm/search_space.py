@@ -255,7 +255,7 @@ def register_ahead_variants(t: Traits) -> list:
 
 def stats_ahead_variants(t: Traits) -> list:
     """A backward with its next row ahead in registers again with the next row's mean and rstd loaded ahead
-    too (`stats_ahead`): 2 more registers a thread. An A/B of the change on an H200 (PERFORMANCE.md version 85)
+    too (`stats_ahead`). An A/B of the change on an H200 (PERFORMANCE.md version 85)
     read +0.02 / +0.03 of copy at LayerNorm 16384 / 3840 and -0.05 … -0.08 at RMSNorm 6144 / 12800 and LayerNorm
     12800, so it is measured per key."""
     if not (t.register_ahead and not t.stats_ahead):

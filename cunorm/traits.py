@@ -102,7 +102,8 @@ class Traits:
       memory does not fit beside the column sums: a row's vectors more registers a thread. Same arithmetic:
       the same bits.
     stats_ahead: (with register_ahead) the next row's mean and rstd are loaded ahead with its vectors, so the
-      row's first use of them does not wait on their loads: 2 more registers a thread. The same bits.
+      row's first use of them does not wait on their loads: two more values a thread (what that costs in
+      registers is ptxas's to say). The same bits.
     has_weight / has_bias: whether gamma / beta are present.
     rms: RMSNorm (no mean) rather than LayerNorm; with has_bias, y = xhat * w + b.
     has_residual: forward: x + residual is normalized and stored; backward:
@@ -522,7 +523,8 @@ class Traits:
                 + (f" REGISTER_SUM_STEPS={self.register_sum_steps}" if self.register_sum_steps else "")
                 + (" UNCHECKED_WHOLE_STEPS=1" if self.unchecked_whole_steps else "")
                 + (f" SUM_CHAINS={self.sum_chains}" if self.sum_chains != 1 else "")
-                + (" REGISTER_AHEAD=1" if self.register_ahead else "") + (" STATS_AHEAD=1" if self.stats_ahead else ""))
+                + (" REGISTER_AHEAD=1" if self.register_ahead else "")
+                + (" STATS_AHEAD=1" if self.stats_ahead else ""))
 
     def knobs(self) -> dict:
         return {k: getattr(self, k) for k in KNOBS}

@@ -219,8 +219,8 @@ def rank(shapes, case, device_id: int, arch: int, tick, echo, deadline=None, kee
     unstaged = [t for _, t in ranked if register_ahead_variants(t)]
     ahead = [v for t in unstaged[:AHEAD_KEEP] for v in register_ahead_variants(t)]
     ranked = add(list(dict.fromkeys(ahead + unrefined)))
-    held = [t for _, t in ranked if stats_ahead_variants(t)]
-    return add([v for t in held[:keep] for v in stats_ahead_variants(t)])
+    with_rows_ahead = [t for _, t in ranked if stats_ahead_variants(t)]
+    return add([v for t in with_rows_ahead[:keep] for v in stats_ahead_variants(t)])
 
 
 def _steps(shapes: list, backward: bool, keep: int, finalists: int, rounds: int) -> int:

@@ -54,7 +54,7 @@ constexpr int SUM_CHAINS = ${SUM_CHAINS};
 // knob of backwards; the same arithmetic, the same bits).
 constexpr bool REGISTER_AHEAD = ${REGISTER_AHEAD};
 // With REGISTER_AHEAD, the next row's statistics (the backward's mean and rstd: RowStat) are held ahead too, so the
-// row's first use of them does not wait on their loads: 2 registers (a tuned knob; the same bits).
+// row's first use of them does not wait on their loads (a tuned knob; the same bits).
 constexpr bool STATS_AHEAD = ${STATS_AHEAD};
 // Every row starts on a vector boundary and is whole vectors long. Otherwise
 // (the general kernel) a row is read in the aligned frame around it: vector v

@@ -57,7 +57,10 @@ CASES += [C("layer_norm_backward", 2048, 301, "bfloat16", "bfloat16",
           C("layer_norm_backward", 2048, 301, "bfloat16", "bfloat16",
             knobs=tuple(sorted(dict(AHEAD, stats_ahead=True, warps_n=4, bytes_per_ldg=16).items()))),
           C("rms_norm_backward", 4097, 37, "float16", "float32", has_bias=False, layout="offset:3",
-            knobs=tuple(sorted(dict(AHEAD, stats_ahead=True, warps_n=4, bytes_per_ldg=8).items())))]
+            knobs=tuple(sorted(dict(AHEAD, stats_ahead=True, warps_n=4, bytes_per_ldg=8).items()))),
+          C("layer_norm_backward", 10240, 301, "bfloat16", "bfloat16",
+            knobs=tuple(sorted(dict(AHEAD, stats_ahead=True, warps_n=4, ctas_per_row=4, bytes_per_ldg=8,
+                                    smem_accumulators=True, register_sum_steps=1, pushed_exchange=True).items())))]
 # Every tensor's dtype and layout drawn independently (a slice of the pairwise sweep), at few rows.
 CASES += [dataclasses.replace(c, rows=5) for c in check.pairwise_cases()[::17]]
 

@@ -233,7 +233,8 @@ def test_sum_chains_compile_clean_and_change_the_code(arch):
 
 def _unstaged_backwards(arch: int) -> list:
     """Unstaged backwards of the rows-ahead knobs' compile tests: LayerNorm and RMSNorm, aligned, folded and
-    general rows, fp32 with dresidual, a second weight; a cluster row with pushed exchanges on sm_90."""
+    general rows, fp32 with dresidual, a second weight; on sm_90 cluster rows with pushed exchanges, bf16 and
+    fp32 (32 elements a thread: a GATED kernel, two copies of the row loop)."""
     bwd = Traits(hidden_size=2048, input_dtype="bfloat16", backward=True, warps_n=4, bytes_per_ldg=16, stages=1)
     variants = [bwd, bwd.replace(rms=True, has_bias=False, hidden_size=4096, warps_m=2, bytes_per_ldg=8),
                 bwd.replace(hidden_size=4097, aligned_rows=False, bytes_per_ldg=8, smem_accumulators=True),
@@ -243,6 +244,8 @@ def _unstaged_backwards(arch: int) -> list:
     if arch >= 90:
         variants.append(bwd.replace(hidden_size=10240, ctas_per_row=4, bytes_per_ldg=8, smem_accumulators=True,
                                     register_sum_steps=1, pushed_exchange=True))
+        variants.append(Traits(hidden_size=16384, input_dtype="float32", backward=True, warps_n=4, ctas_per_row=4,
+                               bytes_per_ldg=16, stages=1, smem_accumulators=True, pushed_exchange=True))
     return variants
 
 

@@ -1,7 +1,8 @@
 """Tier C: the register_ahead knob (an unstaged backward loads its next row into registers when it takes the
 current one) and stats_ahead (the next row's mean and rstd too). Only when the loads are issued changes, not what
-is added in which order: every output is the same bits as without the knobs on the same grid (a knob that changes the CTAs an SM changes the grid's row
-groups, and so the order the partial rows are summed in), and dx the same bits on any grid."""
+is added in which order: every output is the same bits as without the knobs on the same grid (a knob that changes
+the CTAs an SM changes the grid's row groups, and so the order the partial rows are summed in), and dx the same
+bits on any grid."""
 import numpy as np
 import pytest
 
@@ -47,11 +48,12 @@ AHEAD_SETTINGS = [dict(register_ahead=False), dict(register_ahead=True), dict(re
 
 @pytest.mark.parametrize("op, n, dtype, weight, knobs, fields", CASES, ids=[f"{c[0]}-{c[1]}-{c[2]}" for c in CASES])
 def test_rows_ahead_pass_the_check_with_the_plain_kernels_errors(op, n, dtype, weight, knobs, fields, launches):
-    """Every output (poisoned first) against float64 with the knob on and off, at 37 rows and 301 rows (at 301
-    more rows than the grid's row groups at every case here: threads load rows ahead, and the last one's load
-    is past the end); on the same inputs (runs of one seed) and the same grids, the float64 errors the same to
-    the last bit. One-launch backwards (no cluster, up to plans.FUSE_ROW_ELEMENTS) have a grid of their own
-    that the registers do not move: there the grids must be the same."""
+    """Every output (poisoned first) against float64 with the knobs off, rows ahead, and rows and statistics
+    ahead (AHEAD_SETTINGS), at 37 rows and 301 rows (at 301 more rows than the grid's row groups at every case
+    here: threads load rows ahead, and the last one's load is past the end); on the same inputs (runs of one
+    seed) and the same grids, the float64 errors the same to the last bit. One-launch backwards (no cluster, up
+    to plans.FUSE_ROW_ELEMENTS) have a grid of their own that the registers do not move: there the grids must
+    be the same."""
     from cunorm.norm.plans import FUSE_ROW_ELEMENTS
 
     seed = int(np.random.SeedSequence().entropy % 2**63)

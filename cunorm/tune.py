@@ -22,7 +22,8 @@ three steps:
    however it screened (one timing can drop it: version 68 of
    docs/PERFORMANCE.md); the best median wins;
 3. check: the winner runs against the float64 reference with its knobs
-   forced; one that fails gives way to the next finalist.
+   forced; one that fails gives way to the next finalist. The run's record
+   names the pass of step 1 that first timed it (`found_by`).
 The table is saved after every key: a run that stops (--budget, or killed)
 goes on where it stopped when run again.
 """
@@ -62,6 +63,14 @@ SECOND_LOOK = 0.10  # shapes screened within this fraction of the fastest are ti
 FINALISTS = 3
 ROUNDS = 5
 COMPILE_THREADS = 16  # candidates (and dispatch's picks) compiled side by side
+# Where a winner was first timed (a key's "found_by"): which pass of `rank` pays for itself is the tuner's own
+# question (PERFORMANCE.md versions 85-86 could not say which pass found the picks that moved most).
+FIRST_ROUND, EXTRAS, REGISTER_SUMS = "first round", "extras", "register sums"
+DISPATCH_SEED, SIBLING_SEED = "first round: dispatch's pick", "first round: the other norm's pick"
+UNCHECKED, CHAINS, STATS_AHEAD = "unchecked whole steps", "sum chains", "stats ahead"
+ROWS_AHEAD, SHAPES_AHEAD = "rows ahead", "rows ahead: first-round shapes"
+PASSES = (FIRST_ROUND, DISPATCH_SEED, SIBLING_SEED, EXTRAS, REGISTER_SUMS, UNCHECKED, CHAINS, ROWS_AHEAD, SHAPES_AHEAD,
+          STATS_AHEAD)
 clock = time.monotonic  # the budget's clock
 
 
@@ -193,7 +202,8 @@ def _second_look(timed: list, case, echo, deadline=None, fastest: float | None =
     return sorted(again, key=lambda p: p[0])
 
 
-def rank(shapes, case, device_id: int, arch: int, tick, echo, deadline=None, keep: int = KEEP) -> list:
+def rank(shapes, case, device_id: int, arch: int, tick, echo, deadline=None, keep: int = KEEP,
+         found: dict | None = None) -> list:
     """[(ms, traits)] fastest first: every shape, then the extras on the `keep` fastest, then the `keep`
     fastest with shared-memory column sums (as their all-in-shared-memory selves) with some sums in registers
     (`register_sum_variants`), then the `keep` fastest with their whole load steps unchecked
@@ -202,25 +212,39 @@ def rank(shapes, case, device_id: int, arch: int, tick, echo, deadline=None, kee
     the AHEAD_SHAPES fastest shapes of the first round past the `keep` unstaged, with their next row loaded
     ahead into registers (`register_ahead_variants`: the knob reorders unstaged shapes, so more of them than
     `keep`), then the `keep` fastest of those with the row's statistics ahead too (`stats_ahead_variants`);
-    each traits timed once, or twice within SECOND_LOOK of the fastest so far (`_second_look`)."""
-    ranked = _time_all(shapes, case, device_id, tick, echo, deadline)
+    each traits timed once, or twice within SECOND_LOOK of the fastest so far (`_second_look`).
+    `found`, where given, gets the pass that first timed each traits (FIRST_ROUND ... STATS_AHEAD; a barrier
+    twin timed in place of a pushed candidate as that candidate); first-round traits it names already (the
+    seeds: DISPATCH_SEED, SIBLING_SEED) keep their names."""
+    found = {} if found is None else found
+
+    def note(timed: list, passes: dict) -> list:  # passes: {candidate: its pass}
+        stood_for = {t.replace(pushed_exchange=False): t for t in passes if t.pushed_exchange}
+        for _, t in timed:
+            found.setdefault(t, passes.get(t) or passes[stood_for[t]])
+        return timed
+
+    ranked = note(_time_all(shapes, case, device_id, tick, echo, deadline),
+                  {t: found.get(t, FIRST_ROUND) for t in shapes})
     unrefined = [v for _, t in ranked[keep:keep + AHEAD_SHAPES] for v in screened_ahead_variants(t)]
 
-    def add(candidates: list) -> list:
+    def add(candidates: list, name) -> list:  # name: the pass, or {candidate: its pass}
+        passes = name if isinstance(name, dict) else dict.fromkeys(candidates, name)
         timed = _time_all(candidates, case, device_id, tick, echo, deadline, skip={t for _, t in ranked},
                           fastest=ranked[0][0] if ranked else None)
-        return sorted(ranked + timed, key=lambda p: p[0])
+        return sorted(ranked + note(timed, passes), key=lambda p: p[0])
 
-    ranked = add([t for _, shape in ranked[:keep] for t in refinements(shape, arch)])
+    ranked = add([t for _, shape in ranked[:keep] for t in refinements(shape, arch)], EXTRAS)
     in_smem = list(dict.fromkeys(t.replace(register_sum_steps=0) for _, t in ranked if t.smem_accumulators))
-    ranked = add([v for t in in_smem[:keep] for v in register_sum_variants(t)])
-    ranked = add([v for _, t in ranked[:keep] for v in unchecked_whole_steps_variants(t)])
-    ranked = add([v for _, t in ranked[:keep] for v in sum_chains_variants(t)])
+    ranked = add([v for t in in_smem[:keep] for v in register_sum_variants(t)], REGISTER_SUMS)
+    ranked = add([v for _, t in ranked[:keep] for v in unchecked_whole_steps_variants(t)], UNCHECKED)
+    ranked = add([v for _, t in ranked[:keep] for v in sum_chains_variants(t)], CHAINS)
     unstaged = [t for _, t in ranked if register_ahead_variants(t)]
     ahead = [v for t in unstaged[:AHEAD_KEEP] for v in register_ahead_variants(t)]
-    ranked = add(list(dict.fromkeys(ahead + unrefined)))
+    ranked = add(list(dict.fromkeys(ahead + unrefined)), {**dict.fromkeys(unrefined, SHAPES_AHEAD),
+                                                           **dict.fromkeys(ahead, ROWS_AHEAD)})
     with_rows_ahead = [t for _, t in ranked if stats_ahead_variants(t)]
-    return add([v for t in with_rows_ahead[:keep] for v in stats_ahead_variants(t)])
+    return add([v for t in with_rows_ahead[:keep] for v in stats_ahead_variants(t)], STATS_AHEAD)
 
 
 def _steps(shapes: list, backward: bool, keep: int, finalists: int, rounds: int) -> int:
@@ -302,7 +326,8 @@ def reading(times: list, nbytes: int, copy_bandwidth: float) -> dict:
 
 
 def measure(job: Job, shapes: list, device_id: int, arch: int, copy: float, rounds: int, tick, echo,
-            deadline=None, finalists: int = FINALISTS, incumbent: Traits | None = None) -> dict | None:
+            deadline=None, finalists: int = FINALISTS, incumbent: Traits | None = None,
+            seeds: dict | None = None) -> dict | None:
     """A key's entry: the knobs of the finalist (`incumbent`, what runs the
     call today, among them wherever it was timed) with the best median that
     passes the float64 check, with its median ms and fraction of `copy` (bytes/s of a
@@ -310,9 +335,11 @@ def measure(job: Job, shapes: list, device_id: int, arch: int, copy: float, roun
     no finalist passes. Where the incumbent was timed in the final rounds,
     the entry's "incumbent" holds its knobs and reading from the same rounds
     (what the new entry gains over it; not for the table), and "timed_as"
-    the barrier twin's knobs where that was timed in its place."""
+    the barrier twin's knobs where that was timed in its place. "found_by": the pass of `rank` that first timed
+    the winner (`seeds`: {traits of `shapes`: DISPATCH_SEED or SIBLING_SEED} name the seeds' first round)."""
     case = job.workload()
-    ranked = rank(shapes, case, device_id, arch, tick, echo, deadline)
+    found = dict(seeds or {})
+    ranked = rank(shapes, case, device_id, arch, tick, echo, deadline, found=found)
     finals = final_rounds(ranked, case, rounds, tick, deadline, finalists, incumbent)
     times_of = {t: times for times, t in finals}
     before = next((t for t in _timed_as(incumbent) if t in times_of), None)
@@ -322,7 +349,8 @@ def measure(job: Job, shapes: list, device_id: int, arch: int, copy: float, roun
         if failures:
             echo(f"  {t.short()}: fails the float64 check ({'; '.join(failures)}): the next finalist instead")
             continue
-        entry = {"knobs": t.knobs(), **reading(times, case.nbytes, copy), "dtype": job.dtype, "measured_n": job.n}
+        entry = {"knobs": t.knobs(), **reading(times, case.nbytes, copy), "dtype": job.dtype, "measured_n": job.n,
+                 "found_by": found[t]}
         if before is not None:
             entry["incumbent"] = {"knobs": incumbent.knobs(), **reading(times_of[before], case.nbytes, copy),
                                   **({} if before == incumbent else {"timed_as": before.knobs()})}
@@ -347,13 +375,14 @@ def open_table(path: Path, gpu) -> tables.Table:
 
 
 def _tune_line(job: Job, record: dict) -> str:
-    """A key's result, its knobs spelled as `cunorm bench --traits` takes them, and what ran the call before
-    in the same final rounds (where it was timed there; else that it was not), with its origin (a run's records
-    name it: dispatch's table, or what replaced a pick that spills)."""
+    """A key's result, its knobs spelled as `cunorm bench --traits` takes them, the pass that found them, and
+    what ran the call before in the same final rounds (where it was timed there; else that it was not), with its
+    origin (a run's records name it: dispatch's table, or what replaced a pick that spills)."""
     knobs = ",".join(f"{k}={int(v)}" for k, v in record["knobs"].items())
     lo, hi = record["spread"]
+    found = f" (found by: {record['found_by']})" if "found_by" in record else ""
     line = (f"TUNE {job.label()}: {record['fraction_of_copy']:.3f} [{lo:.3f}, {hi:.3f}] of copy, "
-            f"{record['ms']:.4f} ms, {knobs}")
+            f"{record['ms']:.4f} ms, {knobs}{found}")
     before = record.get("incumbent")
     if before is None:
         untimed = record.get("incumbent_not_timed")
@@ -399,11 +428,14 @@ def run(sizes=SIZES, ops=tuple(OPS), residuals=(False,), dtype_names=("bfloat16"
     with ThreadPoolExecutor(max_workers=COMPILE_THREADS) as pool:
         incumbents = dict(zip(todo, pool.map(lambda j: _incumbent(j, arch, gpu, device_id), todo)))
         siblings = dict(zip(todo, pool.map(lambda j: sibling_pick(j, arch, gpu, device_id), todo)))
+    seeds = {j: {} for j in todo}  # the seeds not among the shapes anyway, named for a winner's "found_by"
     for j in todo:  # what runs the call today competes too, up to the final rounds (where it compiles clean)
-        picks = [p for p in (incumbents[j][0], siblings[j]) if p is not None]  # and the other norm's, as this call's
-        for t in [s for p in picks for s in (p, with_pushed_exchange(p))]:  # each with pushed exchanges too
+        picks = [(p, name) for p, name in ((incumbents[j][0], DISPATCH_SEED), (siblings[j], SIBLING_SEED))
+                 if p is not None]  # and the other norm's, as this call's
+        for t, name in [(s, name) for p, name in picks for s in (p, with_pushed_exchange(p))]:  # each pushed too
             if shapes[j] and t not in shapes[j]:
                 shapes[j].append(t)
+                seeds[j][t] = name
     for job in [j for j in todo if not shapes[j]]:  # nothing to time: say why, not "failed the check"
         todo.remove(job)
         summary["failed"].append(job.label())
@@ -419,7 +451,7 @@ def run(sizes=SIZES, ops=tuple(OPS), residuals=(False,), dtype_names=("bfloat16"
                 _check_time(deadline)
                 incumbent, origin = incumbents[job]
                 entry = measure(job, shapes[job], device_id, arch, copy, rounds, bar.update, echo, deadline,
-                                incumbent=incumbent)
+                                incumbent=incumbent, seeds=seeds[job])
             except OutOfTime:
                 summary["left"] = [j.label() for j in todo[i:]]
                 break
@@ -432,8 +464,8 @@ def run(sizes=SIZES, ops=tuple(OPS), residuals=(False,), dtype_names=("bfloat16"
                 entry["incumbent"]["origin"] = origin  # its table, or what replaced a pick that spills
             elif incumbent is not None:  # it did not compile clean or launch here: no reading, said so
                 entry["incumbent_not_timed"] = {"knobs": incumbent.knobs(), "origin": origin}
-            table.put(job.key, entry["knobs"],
-                      **{k: v for k, v in entry.items() if k not in ("knobs", "incumbent", "incumbent_not_timed")})
+            run_only = ("knobs", "incumbent", "incumbent_not_timed", "found_by")  # a run's record, not the table's
+            table.put(job.key, entry["knobs"], **{k: v for k, v in entry.items() if k not in run_only})
             tables.save(table, path)
             record = {**dataclasses.asdict(job.key), **entry, "table": str(path)}
             summary["tuned"].append(record)

@@ -145,7 +145,9 @@ def test_json_one_object_per_key_on_stdout_progress_on_stderr(gpu):
     path = str(tables.user_path(GPU))
     assert len(lines) == 4 and {r["table"] for r in lines} == {path}
     assert all(set(r) == {"backward", "rms", "residual", "n", "input_bytes", "general", "knobs", "ms",
-                          "fraction_of_copy", "spread", "dtype", "measured_n", "table", "incumbent"} for r in lines)
+                          "fraction_of_copy", "spread", "dtype", "measured_n", "table", "incumbent", "found_by"}
+               for r in lines)
+    assert all(r["found_by"] in tune.PASSES for r in lines)
     # what ran before: the sm_90 literal's backwards, the heuristic's forwards
     assert [(r["backward"], r["incumbent"]["origin"]) for r in lines] == [(False, "heuristic"), (True, "tuned")] * 2
     assert all(set(r["incumbent"]) == {"knobs", "ms", "fraction_of_copy", "spread", "origin"} for r in lines)
@@ -153,6 +155,7 @@ def test_json_one_object_per_key_on_stdout_progress_on_stderr(gpu):
     for r in lines:
         key = tables.Key(**{k: r[k] for k in ("backward", "rms", "residual", "n", "input_bytes", "general")})
         assert entries[key]["knobs"] == r["knobs"] and entries[key]["ms"] == r["ms"]
+        assert "found_by" not in entries[key]  # the run's record, not the table's
     assert "tuning fwd N=1024 bfloat16 (key 1 of 4)" in res.stderr and res.stderr.count("TUNE ") == 4
     assert "tuning" not in res.stdout and "TUNE" not in res.stdout
 

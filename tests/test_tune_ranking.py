@@ -2,6 +2,7 @@
 rows' exchanges, sums in registers and unchecked whole steps, the second look, and which candidates reach
 the final rounds and how they are read."""
 import collections
+import json
 from types import SimpleNamespace
 
 import pytest
@@ -237,6 +238,57 @@ def test_the_fastest_with_rows_ahead_try_their_statistics_ahead(gpu):
     assert held == {frozen({**k, "stats_ahead": True}) for k in ahead[:tune.KEEP]}
     assert saved().knobs(job.key) == min(timed, key=ms)
     assert saved().knobs(job.key)["stats_ahead"]
+
+
+def _found_by(*args) -> list:
+    """The "found_by" of each key a run with `args` records (--json), each also in the key's TUNE line."""
+    res = run_tune(*args, "--fresh", "--json")
+    assert res.exit_code == 0, res.output
+    found = [json.loads(line)["found_by"] for line in res.stdout.splitlines()]
+    assert [f"(found by: {f})" in line for f, line in zip(found, res.stderr.split("TUNE ")[1:])] == [True] * len(found)
+    return found
+
+
+def test_a_winner_names_the_pass_that_found_it(gpu):
+    """The record and the TUNE line name the pass of the ranking that first timed the winner: the first round
+    where a launch shape wins unchanged, its extras where one of those wins, the statistics-ahead pass where a
+    knob only that pass turns on wins."""
+    shapes = {frozen(t.knobs()) for t in search_space.candidates(1024, "bfloat16", False, 90)}
+    assert _found_by("--sizes", "1024", "--ops", "fwd") == [
+        tune.FIRST_ROUND if frozen(saved().knobs(search_space.Job.of(1024, "bfloat16").key)) in shapes
+        else tune.EXTRAS]
+    gpu.ms = lambda knobs: fake_ms(knobs) - 0.01 * knobs["stats_ahead"]
+    assert _found_by("--sizes", "4096", "--ops", "bwd") == [tune.STATS_AHEAD]
+    assert _found_by("--sizes", "4096", "--ops", "bwd") == [tune.DISPATCH_SEED]  # what it saved runs it now
+
+
+@pytest.mark.parametrize("seed", ["dispatch", "sibling"])
+def test_a_seed_that_wins_is_named_as_the_seed(gpu, seed):
+    """A winner among the first round's seeds (not one of its launch shapes) is named as dispatch's pick or the
+    other norm's."""
+    knobs = dict(warps_m=4, warps_n=1, ctas_per_row=1, bytes_per_ldg=8, stages=4, cache_weights=False,
+                 min_ctas_per_sm=1, smem_accumulators=False, recompute=True)
+    table = tables.new_table(GPU)
+    key = search_space.Job.of(1024, "bfloat16", rms=seed == "sibling").key  # LayerNorm's, or RMSNorm's forward
+    table.put(key, knobs, ms=1.0, fraction_of_copy=0.5, spread=[0.5, 0.5], dtype="bfloat16", measured_n=1024)
+    tables.save(table)
+    gpu.ms = lambda k: 0.5 if frozen({**knobs, **_LATER_DEFAULTS}) == frozen(k) else fake_ms(k)
+    assert _found_by("--sizes", "1024", "--ops", "fwd") == [
+        tune.DISPATCH_SEED if seed == "dispatch" else tune.SIBLING_SEED]
+
+
+def test_a_barrier_twin_timed_for_a_pushed_candidate_is_named_as_that_candidate(gpu):
+    """Where a seed's pushed exchange spills, its barrier twin is timed in its place, under the seed's name."""
+    gpu.spills = _Pushed()
+    job = search_space.Job.of(65536, "bfloat16", True)
+    shapes = search_space.candidates(65536, "bfloat16", True, 90)
+    pushed = next(t for t in shapes if t.pushed_exchange).replace(min_ctas_per_sm=3)
+    seed = pushed.replace(pushed_exchange=False)
+    assert pushed.pushed_exchange and seed not in shapes and pushed not in shapes
+    found = {pushed: tune.SIBLING_SEED}
+    tune.rank([*shapes, pushed], job.workload(), 0, 90, lambda _: None, print, found=found)
+    assert found[seed] == tune.SIBLING_SEED  # not the first round's name, which every other shape's twin has
+    assert set(found.values()) <= set(tune.PASSES) and not any(t.pushed_exchange for t in found if t != pushed)
 
 
 def test_what_dispatch_runs_today_competes(gpu):

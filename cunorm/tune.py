@@ -6,7 +6,8 @@ Each key of the table (cunorm.tables.Key: direction, LayerNorm or RMSNorm,
 residual, hidden size, input element bytes, general rows) is measured in
 three steps:
 1. rank: every launch shape (`search_space.candidates`), what dispatch runs for the
-   call today and for the other norm's call of the key (`sibling_pick`), then the
+   call today and for the other norm's call of the key (`sibling_pick`; and that
+   call's pick of this run, where the run tuned it first), then the
    extras on the KEEP fastest shapes (`search_space.refinements`),
    then the KEEP fastest backwards with shared-memory column sums with some of
    them in registers (`search_space.register_sum_variants`), then the other knobs'
@@ -67,10 +68,11 @@ COMPILE_THREADS = 16  # candidates (and dispatch's picks) compiled side by side
 # question (PERFORMANCE.md versions 85-86 could not say which pass found the picks that moved most).
 FIRST_ROUND, EXTRAS, REGISTER_SUMS = "first round", "extras", "register sums"
 DISPATCH_SEED, SIBLING_SEED = "first round: dispatch's pick", "first round: the other norm's pick"
+NEW_SIBLING_SEED = "first round: the other norm's pick of this run"
 UNCHECKED, CHAINS, STATS_AHEAD = "unchecked whole steps", "sum chains", "stats ahead"
 ROWS_AHEAD, SHAPES_AHEAD = "rows ahead", "rows ahead: first-round shapes"
-PASSES = (FIRST_ROUND, DISPATCH_SEED, SIBLING_SEED, EXTRAS, REGISTER_SUMS, UNCHECKED, CHAINS, ROWS_AHEAD, SHAPES_AHEAD,
-          STATS_AHEAD)
+PASSES = (FIRST_ROUND, DISPATCH_SEED, SIBLING_SEED, NEW_SIBLING_SEED, EXTRAS, REGISTER_SUMS, UNCHECKED, CHAINS,
+          ROWS_AHEAD, SHAPES_AHEAD, STATS_AHEAD)
 clock = time.monotonic  # the budget's clock
 
 
@@ -100,25 +102,37 @@ def _incumbent(job: Job, arch: int, gpu, device_id: int) -> tuple:
         return None, None
 
 
-def sibling_pick(job: Job, arch: int, gpu, device_id: int) -> Traits | None:
-    """What runs the other norm's call of `job`'s key today (RMSNorm's for LayerNorm's and back; same direction,
-    N, dtype and residual), as traits of `job`'s call where they are legal there: a seed for the first round. The
-    two backwards share their loop, so a row shape fast for one is worth timing for the other, and the first
-    round's default extras may bury it (the H200's LayerNorm backward 32768 read 0.645 of copy with its pick,
-    0.809 with RMSNorm's shape, PERFORMANCE.md version 85). It is the pick before the run: a run tuning both
-    norms seeds each with the other's old pick. None where there is none to have."""
+def the_other_norms(job: Job) -> Job:
+    """The other norm's call of `job`'s key (RMSNorm's for LayerNorm's and back; same direction, N, dtype and
+    residual)."""
+    return Job.of(job.n, job.dtype, job.key.backward, not job.key.rms, job.key.residual)
+
+
+def as_call_of(knobs: dict, job: Job, arch: int) -> Traits | None:
+    """`knobs` as traits of `job`'s call where they are legal there, else None (a knob of the other norm alone:
+    merged moments)."""
     from .dispatch import from_knobs
 
-    sibling = Job.of(job.n, job.dtype, job.key.backward, not job.key.rms, job.key.residual)
     try:
-        picked, _ = _incumbent(sibling, arch, gpu, device_id)  # compiles it: a call no one asked to tune
-        if picked is None:
-            return None
-        t = from_knobs(picked.knobs(), **job.call_fields())
+        t = from_knobs(knobs, **job.call_fields())
         t.check_arch(arch)
-    except Exception:  # a knob of the other norm alone (merged moments: ValueError), or a driver error compiling
-        return None    # it: an optional seed must not stop the tune
+    except ValueError:
+        return None
     return t
+
+
+def sibling_pick(job: Job, arch: int, gpu, device_id: int) -> Traits | None:
+    """What runs the other norm's call of `job`'s key today (`the_other_norms`), as traits of `job`'s call
+    (`as_call_of`): a seed for the first round. The two backwards share their loop, so a row shape fast for one
+    is worth timing for the other, and the first round's default extras may bury it (the H200's LayerNorm
+    backward 32768 read 0.645 of copy with its pick, 0.809 with RMSNorm's shape, PERFORMANCE.md version 85). It
+    is the pick before the run; a run tuning both norms also seeds the second with the first's new pick (`run`).
+    None where there is none to have."""
+    try:
+        picked, _ = _incumbent(the_other_norms(job), arch, gpu, device_id)  # compiles it: a call no one asked to tune
+    except Exception:  # a driver error compiling it: an optional seed must not stop the tune
+        return None
+    return None if picked is None else as_call_of(picked.knobs(), job, arch)
 
 
 def compiles_clean(traits: Traits, device_id: int) -> bool:
@@ -429,13 +443,16 @@ def run(sizes=SIZES, ops=tuple(OPS), residuals=(False,), dtype_names=("bfloat16"
         incumbents = dict(zip(todo, pool.map(lambda j: _incumbent(j, arch, gpu, device_id), todo)))
         siblings = dict(zip(todo, pool.map(lambda j: sibling_pick(j, arch, gpu, device_id), todo)))
     seeds = {j: {} for j in todo}  # the seeds not among the shapes anyway, named for a winner's "found_by"
-    for j in todo:  # what runs the call today competes too, up to the final rounds (where it compiles clean)
-        picks = [(p, name) for p, name in ((incumbents[j][0], DISPATCH_SEED), (siblings[j], SIBLING_SEED))
-                 if p is not None]  # and the other norm's, as this call's
-        for t, name in [(s, name) for p, name in picks for s in (p, with_pushed_exchange(p))]:  # each pushed too
+
+    def seed(j: Job, pick: Traits | None, name: str):  # into j's first round, with pushed exchanges too
+        for t in () if pick is None else (pick, with_pushed_exchange(pick)):
             if shapes[j] and t not in shapes[j]:
                 shapes[j].append(t)
                 seeds[j][t] = name
+
+    for j in todo:  # what runs the call today competes too, up to the final rounds (where it compiles clean)
+        seed(j, incumbents[j][0], DISPATCH_SEED)
+        seed(j, siblings[j], SIBLING_SEED)  # and the other norm's, as this call's
     for job in [j for j in todo if not shapes[j]]:  # nothing to time: say why, not "failed the check"
         todo.remove(job)
         summary["failed"].append(job.label())
@@ -472,6 +489,9 @@ def run(sizes=SIZES, ops=tuple(OPS), residuals=(False,), dtype_names=("bfloat16"
             echo(_tune_line(job, record))
             if as_json:
                 print(json.dumps(record), flush=True)
+            later = [j for j in todo[i + 1:] if j == the_other_norms(job)]  # the other norm's key, still to come
+            for j in later:  # meets this run's pick too (the old one may have lost to it by far)
+                seed(j, as_call_of(entry["knobs"], j, arch), NEW_SIBLING_SEED)
     print(f"{len(summary['tuned'])} keys tuned into {path}; {len(summary['skipped'])} skipped, "
           f"{len(summary['failed'])} failed", file=out)
     if summary["left"]:

@@ -277,6 +277,28 @@ def test_a_seed_that_wins_is_named_as_the_seed(gpu, seed):
         tune.DISPATCH_SEED if seed == "dispatch" else tune.SIBLING_SEED]
 
 
+@pytest.mark.parametrize("ops", ["rms,fwd", "fwd,rms"])
+def test_the_second_norm_of_a_run_meets_the_firsts_new_pick(gpu, monkeypatch, ops):
+    """A run tuning both norms of a key seeds the second one's first round with the first one's pick of this
+    run (here RMSNorm's table entry, which LayerNorm's forward never borrows, and no pick before the run to
+    seed it with): LayerNorm takes it only where RMSNorm was tuned first."""
+    knobs = dict(warps_m=4, warps_n=1, ctas_per_row=1, bytes_per_ldg=8, stages=4, cache_weights=False,
+                 min_ctas_per_sm=1, smem_accumulators=False, recompute=True)
+    table = tables.new_table(GPU)
+    table.put(search_space.Job.of(1024, "bfloat16", rms=True).key, knobs, ms=1.0, fraction_of_copy=0.5,
+              spread=[0.5, 0.5], dtype="bfloat16", measured_n=1024)
+    tables.save(table)
+    monkeypatch.setattr(tune, "sibling_pick", lambda *args: None)
+    gpu.ms = lambda k: 0.5 if frozen({**knobs, **_LATER_DEFAULTS}) == frozen(k) else fake_ms(k)
+    found = dict(zip(ops.split(","), _found_by("--sizes", "1024", "--ops", ops)))
+    assert found["rms"] == tune.DISPATCH_SEED
+    layer_norm = saved().knobs(search_space.Job.of(1024, "bfloat16").key)
+    if ops == "rms,fwd":
+        assert found["fwd"] == tune.NEW_SIBLING_SEED and layer_norm == {**knobs, **_LATER_DEFAULTS}
+    else:
+        assert found["fwd"] != tune.NEW_SIBLING_SEED and layer_norm != {**knobs, **_LATER_DEFAULTS}
+
+
 def test_a_barrier_twin_timed_for_a_pushed_candidate_is_named_as_that_candidate(gpu):
     """Where a seed's pushed exchange spills, its barrier twin is timed in its place, under the seed's name."""
     gpu.spills = _Pushed()

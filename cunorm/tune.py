@@ -71,6 +71,7 @@ DISPATCH_SEED, SIBLING_SEED = "first round: dispatch's pick", "first round: the 
 NEW_SIBLING_SEED = "first round: the other norm's pick of this run"
 UNCHECKED, CHAINS, STATS_AHEAD = "unchecked whole steps", "sum chains", "stats ahead"
 ROWS_AHEAD, SHAPES_AHEAD = "rows ahead", "rows ahead: first-round shapes"
+# NEW_SIBLING_SEED is followed by the pass that found that pick, in parentheses.
 PASSES = (FIRST_ROUND, DISPATCH_SEED, SIBLING_SEED, NEW_SIBLING_SEED, EXTRAS, REGISTER_SUMS, UNCHECKED, CHAINS,
           ROWS_AHEAD, SHAPES_AHEAD, STATS_AHEAD)
 clock = time.monotonic  # the budget's clock
@@ -109,8 +110,8 @@ def the_other_norms(job: Job) -> Job:
 
 
 def as_call_of(knobs: dict, job: Job, arch: int) -> Traits | None:
-    """`knobs` as traits of `job`'s call where they are legal there, else None (a knob of the other norm alone:
-    merged moments)."""
+    """`knobs` as traits of `job`'s call where they are legal there, else None (e.g. a knob of the other norm
+    alone: merged moments)."""
     from .dispatch import from_knobs
 
     try:
@@ -228,25 +229,26 @@ def rank(shapes, case, device_id: int, arch: int, tick, echo, deadline=None, kee
     `keep`), then the `keep` fastest of those with the row's statistics ahead too (`stats_ahead_variants`);
     each traits timed once, or twice within SECOND_LOOK of the fastest so far (`_second_look`).
     `found`, where given, gets the pass that first timed each traits (FIRST_ROUND ... STATS_AHEAD; a barrier
-    twin timed in place of a pushed candidate as that candidate); first-round traits it names already (the
-    seeds: DISPATCH_SEED, SIBLING_SEED) keep their names."""
+    twin timed in place of a pushed candidate as that candidate, unless it is a candidate itself); first-round
+    traits it names already (the seeds: DISPATCH_SEED, SIBLING_SEED, NEW_SIBLING_SEED) keep their names."""
     found = {} if found is None else found
 
     def note(timed: list, passes: dict) -> list:  # passes: {candidate: its pass}
         stood_for = {t.replace(pushed_exchange=False): t for t in passes if t.pushed_exchange}
         for _, t in timed:
-            found.setdefault(t, passes.get(t) or passes[stood_for[t]])
+            if t not in found:
+                found[t] = passes[t] if t in passes else passes[stood_for[t]]
         return timed
 
     ranked = note(_time_all(shapes, case, device_id, tick, echo, deadline),
                   {t: found.get(t, FIRST_ROUND) for t in shapes})
     unrefined = [v for _, t in ranked[keep:keep + AHEAD_SHAPES] for v in screened_ahead_variants(t)]
 
-    def add(candidates: list, name) -> list:  # name: the pass, or {candidate: its pass}
-        passes = name if isinstance(name, dict) else dict.fromkeys(candidates, name)
+    def add(candidates: list, name: str, others: dict | None = None) -> list:  # others: {candidate: its pass}
         timed = _time_all(candidates, case, device_id, tick, echo, deadline, skip={t for _, t in ranked},
                           fastest=ranked[0][0] if ranked else None)
-        return sorted(ranked + note(timed, passes), key=lambda p: p[0])
+        return sorted(ranked + note(timed, {**dict.fromkeys(candidates, name), **(others or {})}),
+                      key=lambda p: p[0])
 
     ranked = add([t for _, shape in ranked[:keep] for t in refinements(shape, arch)], EXTRAS)
     in_smem = list(dict.fromkeys(t.replace(register_sum_steps=0) for _, t in ranked if t.smem_accumulators))
@@ -255,8 +257,7 @@ def rank(shapes, case, device_id: int, arch: int, tick, echo, deadline=None, kee
     ranked = add([v for _, t in ranked[:keep] for v in sum_chains_variants(t)], CHAINS)
     unstaged = [t for _, t in ranked if register_ahead_variants(t)]
     ahead = [v for t in unstaged[:AHEAD_KEEP] for v in register_ahead_variants(t)]
-    ranked = add(list(dict.fromkeys(ahead + unrefined)), {**dict.fromkeys(unrefined, SHAPES_AHEAD),
-                                                           **dict.fromkeys(ahead, ROWS_AHEAD)})
+    ranked = add(list(dict.fromkeys(ahead + unrefined)), SHAPES_AHEAD, dict.fromkeys(ahead, ROWS_AHEAD))
     with_rows_ahead = [t for _, t in ranked if stats_ahead_variants(t)]
     return add([v for t in with_rows_ahead[:keep] for v in stats_ahead_variants(t)], STATS_AHEAD)
 
@@ -350,7 +351,8 @@ def measure(job: Job, shapes: list, device_id: int, arch: int, copy: float, roun
     the entry's "incumbent" holds its knobs and reading from the same rounds
     (what the new entry gains over it; not for the table), and "timed_as"
     the barrier twin's knobs where that was timed in its place. "found_by": the pass of `rank` that first timed
-    the winner (`seeds`: {traits of `shapes`: DISPATCH_SEED or SIBLING_SEED} name the seeds' first round)."""
+    the winner (`seeds`: {traits of `shapes`: DISPATCH_SEED, SIBLING_SEED or NEW_SIBLING_SEED and the pass that
+    found that pick} name the seeds' first round)."""
     case = job.workload()
     found = dict(seeds or {})
     ranked = rank(shapes, case, device_id, arch, tick, echo, deadline, found=found)
@@ -458,6 +460,7 @@ def run(sizes=SIZES, ops=tuple(OPS), residuals=(False,), dtype_names=("bfloat16"
         summary["failed"].append(job.label())
         print(f"TUNE {job.label()}: no candidate traits to time (rows of fewer than a vector per thread, or none "
               f"with the WARPS_N values given); dispatch's heuristic serves it", file=out)
+    # (about: a seed of this run's pick, added later, is 2 steps more; the key's end fills the bar to its share)
     steps = {j: _steps(shapes[j], j.key.backward, KEEP, FINALISTS, rounds) for j in todo}
     copy = bench.copy_bandwidth() if todo else 0.0
     with bench.progress(sum(steps.values()), f"tuning {len(todo)} keys", out) as (bar, echo):
@@ -489,9 +492,9 @@ def run(sizes=SIZES, ops=tuple(OPS), residuals=(False,), dtype_names=("bfloat16"
             echo(_tune_line(job, record))
             if as_json:
                 print(json.dumps(record), flush=True)
-            later = [j for j in todo[i + 1:] if j == the_other_norms(job)]  # the other norm's key, still to come
-            for j in later:  # meets this run's pick too (the old one may have lost to it by far)
-                seed(j, as_call_of(entry["knobs"], j, arch), NEW_SIBLING_SEED)
+            other = the_other_norms(job)
+            if other in todo[i + 1:]:  # still to come: it meets this run's pick too (the old one may be far slower)
+                seed(other, as_call_of(entry["knobs"], other, arch), f"{NEW_SIBLING_SEED} ({entry['found_by']})")
     print(f"{len(summary['tuned'])} keys tuned into {path}; {len(summary['skipped'])} skipped, "
           f"{len(summary['failed'])} failed", file=out)
     if summary["left"]:

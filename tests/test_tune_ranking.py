@@ -251,23 +251,30 @@ def _found_by(*args) -> list:
 
 def test_a_winner_names_the_pass_that_found_it(gpu):
     """The record and the TUNE line name the pass of the ranking that first timed the winner: the first round
-    where a launch shape wins unchanged, its extras where one of those wins, the statistics-ahead pass where a
-    knob only that pass turns on wins."""
+    where a launch shape wins unchanged, its extras where one of those wins (the stand-in's fastest), the
+    statistics-ahead pass where a knob only that pass turns on wins."""
+    key = search_space.Job.of(1024, "bfloat16").key
     shapes = {frozen(t.knobs()) for t in search_space.candidates(1024, "bfloat16", False, 90)}
-    assert _found_by("--sizes", "1024", "--ops", "fwd") == [
-        tune.FIRST_ROUND if frozen(saved().knobs(search_space.Job.of(1024, "bfloat16").key)) in shapes
-        else tune.EXTRAS]
+    assert _found_by("--sizes", "1024", "--ops", "fwd") == [tune.EXTRAS]
+    assert frozen(saved().knobs(key)) not in shapes
+    slowest = max(shapes, key=lambda k: fake_ms(dict(k)))
+    gpu.ms = lambda knobs: fake_ms(knobs) - 0.5 * (frozen(knobs) == slowest)
+    assert _found_by("--sizes", "1024", "--ops", "fwd") == [tune.FIRST_ROUND]
+    assert frozen(saved().knobs(key)) == slowest
     gpu.ms = lambda knobs: fake_ms(knobs) - 0.01 * knobs["stats_ahead"]
     assert _found_by("--sizes", "4096", "--ops", "bwd") == [tune.STATS_AHEAD]
     assert _found_by("--sizes", "4096", "--ops", "bwd") == [tune.DISPATCH_SEED]  # what it saved runs it now
+
+
+_SLOW_SHAPE = dict(warps_m=4, warps_n=1, ctas_per_row=1, bytes_per_ldg=8, stages=4, cache_weights=False,
+                   min_ctas_per_sm=1, smem_accumulators=False, recompute=True)  # a forward no pass tries
 
 
 @pytest.mark.parametrize("seed", ["dispatch", "sibling"])
 def test_a_seed_that_wins_is_named_as_the_seed(gpu, seed):
     """A winner among the first round's seeds (not one of its launch shapes) is named as dispatch's pick or the
     other norm's."""
-    knobs = dict(warps_m=4, warps_n=1, ctas_per_row=1, bytes_per_ldg=8, stages=4, cache_weights=False,
-                 min_ctas_per_sm=1, smem_accumulators=False, recompute=True)
+    knobs = _SLOW_SHAPE
     table = tables.new_table(GPU)
     key = search_space.Job.of(1024, "bfloat16", rms=seed == "sibling").key  # LayerNorm's, or RMSNorm's forward
     table.put(key, knobs, ms=1.0, fraction_of_copy=0.5, spread=[0.5, 0.5], dtype="bfloat16", measured_n=1024)
@@ -277,26 +284,44 @@ def test_a_seed_that_wins_is_named_as_the_seed(gpu, seed):
         tune.DISPATCH_SEED if seed == "dispatch" else tune.SIBLING_SEED]
 
 
-@pytest.mark.parametrize("ops", ["rms,fwd", "fwd,rms"])
+@pytest.mark.parametrize("ops", ["rms,fwd,bwd", "fwd,rms,bwd"])
 def test_the_second_norm_of_a_run_meets_the_firsts_new_pick(gpu, monkeypatch, ops):
     """A run tuning both norms of a key seeds the second one's first round with the first one's pick of this
-    run (here RMSNorm's table entry, which LayerNorm's forward never borrows, and no pick before the run to
-    seed it with): LayerNorm takes it only where RMSNorm was tuned first."""
-    knobs = dict(warps_m=4, warps_n=1, ctas_per_row=1, bytes_per_ldg=8, stages=4, cache_weights=False,
-                 min_ctas_per_sm=1, smem_accumulators=False, recompute=True)
+    run, named with the pass that found it, and seeds no other key (here RMSNorm's forward takes its table entry,
+    fastest on the stand-in, which LayerNorm's forward never borrows; no pick before the run seeds it): at two
+    sizes, LayerNorm's forward takes it where RMSNorm was tuned first, and only there."""
     table = tables.new_table(GPU)
-    table.put(search_space.Job.of(1024, "bfloat16", rms=True).key, knobs, ms=1.0, fraction_of_copy=0.5,
-              spread=[0.5, 0.5], dtype="bfloat16", measured_n=1024)
+    for n in (1024, 2048):
+        table.put(search_space.Job.of(n, "bfloat16", rms=True).key, _SLOW_SHAPE, ms=1.0, fraction_of_copy=0.5,
+                  spread=[0.5, 0.5], dtype="bfloat16", measured_n=n)
     tables.save(table)
     monkeypatch.setattr(tune, "sibling_pick", lambda *args: None)
-    gpu.ms = lambda k: 0.5 if frozen({**knobs, **_LATER_DEFAULTS}) == frozen(k) else fake_ms(k)
-    found = dict(zip(ops.split(","), _found_by("--sizes", "1024", "--ops", ops)))
-    assert found["rms"] == tune.DISPATCH_SEED
-    layer_norm = saved().knobs(search_space.Job.of(1024, "bfloat16").key)
-    if ops == "rms,fwd":
-        assert found["fwd"] == tune.NEW_SIBLING_SEED and layer_norm == {**knobs, **_LATER_DEFAULTS}
-    else:
-        assert found["fwd"] != tune.NEW_SIBLING_SEED and layer_norm != {**knobs, **_LATER_DEFAULTS}
+    seeded, measure = {}, tune.measure
+    monkeypatch.setattr(tune, "measure", lambda job, *args, seeds=None, **kwargs: (
+        seeded.setdefault(job, dict(seeds)), measure(job, *args, seeds=seeds, **kwargs))[1])
+    fast = frozen({**_SLOW_SHAPE, **_LATER_DEFAULTS})
+    gpu.ms = lambda k: 0.5 if frozen(k) == fast else fake_ms(k)
+    res = run_tune("--sizes", "1024,2048", "--ops", ops, "--fresh", "--json")
+    assert res.exit_code == 0, res.output
+    found = {(r["n"], r["rms"], r["backward"]): r["found_by"] for r in map(json.loads, res.stdout.splitlines())}
+    new = f"{tune.NEW_SIBLING_SEED} ({tune.DISPATCH_SEED})"
+    rms_first = ops.startswith("rms")
+    for n in (1024, 2048):
+        assert found[n, True, False] == tune.DISPATCH_SEED
+        assert (found[n, False, False] == new) == rms_first
+        assert (saved().knobs(search_space.Job.of(n, "bfloat16").key) == dict(fast)) == rms_first
+    assert {(j.n, j.key.rms, j.key.backward) for j, s in seeded.items() if new in s.values()} == (
+        {(1024, False, False), (2048, False, False)} if rms_first else set())
+
+
+def test_the_other_norms_pick_of_this_run_keeps_the_name_of_the_same_pick_before_it(gpu):
+    """Where the other norm's new pick is its pick before the run, LayerNorm's seed keeps that seed's name."""
+    table = tables.new_table(GPU)
+    table.put(search_space.Job.of(1024, "bfloat16", rms=True).key, _SLOW_SHAPE, ms=1.0, fraction_of_copy=0.5,
+              spread=[0.5, 0.5], dtype="bfloat16", measured_n=1024)
+    tables.save(table)
+    gpu.ms = lambda k: 0.5 if frozen(k) == frozen({**_SLOW_SHAPE, **_LATER_DEFAULTS}) else fake_ms(k)
+    assert _found_by("--sizes", "1024", "--ops", "rms,fwd") == [tune.DISPATCH_SEED, tune.SIBLING_SEED]
 
 
 def test_a_barrier_twin_timed_for_a_pushed_candidate_is_named_as_that_candidate(gpu):
